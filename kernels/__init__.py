@@ -1,0 +1,1 @@
+"""specserve.kernels: Triton kernels, each beside a plain-torch reference (reference.py)."""

@@ -1,0 +1,27 @@
+"""Metadata of one flattened forward: which rows belong to which sequence, where K/V go."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """See docs/INTERNALS.md. Sequence i owns query rows cu_query_lens[i]:cu_query_lens[i+1];
+    its keys are its first seq_lens[i] positions, the last q_len of which are this step's tokens.
+    Key k < ctx_len is visible to all its rows; key ctx_len + j to row t iff custom_mask[t, j]
+    (or causally, j <= local row index, when custom_mask is None)."""
+
+    slot_mapping: torch.Tensor  # [T] int64, -1 = do not write
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    cu_query_lens: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    max_query_len: int
+    max_seq_len: int
+    custom_mask: torch.Tensor | None = None  # [T, max_query_len] bool
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
