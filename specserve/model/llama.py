@@ -1,0 +1,316 @@
+"""Our forward pass for Llama-family checkpoints: Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral.
+
+One flattened batch of tokens from many sequences goes through the model at once. Each
+token carries its own position (for RoPE) and its own KV slot (where its K/V land in the
+paged pool); which keys each token may see is described by `AttentionMetadata`, so
+prefill chunks, plain decode and the tree-verify pass are all the same `forward` call.
+
+What differs between the four families is small and lives in `ModelArgs`:
+  - Qwen2: biases on the q/k/v projections (`qkv_bias`).
+  - Qwen3: RMSNorm over each head of q and k before RoPE (`qk_norm`), and a head_dim that
+    need not equal hidden_size / num_heads.
+  - Llama 3.x: RoPE frequencies rescaled by the "llama3" rule (`rope_scaling`).
+  - Mistral: nothing beyond Llama (sliding-window attention is NOT implemented; it only
+    matters past `sliding_window` tokens of context).
+
+Precision notes. Norms are computed in float32 (float64 for a float64 model), like
+transformers, then multiplied by the weight in the model dtype. The RoPE tables are computed
+once in float64 and stored in float32 (float64 for a float64 model), so a float64 model is
+float64 all the way through: that is what the bit-exact greedy tests rely on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.errors import ModelLoadError
+from specserve.kernels import ops
+from specserve.model.attention import AttentionMetadata
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MistralForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}; None = default
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 (or any config with attention_bias=True)
+    qk_norm: bool = False  # Qwen3
+    max_position_embeddings: int = 4096
+    architecture: str = "LlamaForCausalLM"
+    torch_dtype: str | None = None  # the checkpoint's dtype as named in config.json, if any
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> ModelArgs:
+        """Read a transformers PretrainedConfig (4.x or 5.x field names)."""
+        archs = getattr(cfg, "architectures", None) or []
+        arch = archs[0] if archs else _arch_from_model_type(getattr(cfg, "model_type", ""))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads
+        rope_theta, rope_scaling = _rope_settings(cfg)
+        dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        tie = getattr(cfg, "tie_word_embeddings", None)
+        return cls(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            intermediate_size=cfg.intermediate_size,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(tie) if tie is not None else False,
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(getattr(cfg, "attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            max_position_embeddings=cfg.max_position_embeddings,
+            architecture=arch,
+            torch_dtype=dtype,
+        )
+
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of K and V, all layers, for one block of this model."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def _arch_from_model_type(model_type: str) -> str:
+    return {
+        "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "mistral": "MistralForCausalLM",
+    }.get(model_type, model_type or "<none>")
+
+
+def _rope_settings(cfg) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling or None) from either config style:
+    transformers 5 `rope_parameters` = {"rope_type", "rope_theta", ...}, or the
+    config.json style `rope_theta` + `rope_scaling` = {"type"|"rope_type", "factor", ...}."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    params = dict(params)
+    theta = params.pop("rope_theta", None) or getattr(cfg, "rope_theta", None) or 10000.0
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if getattr(cfg, "partial_rotary_factor", 1.0) not in (None, 1.0):
+        raise ModelLoadError("partial_rotary_factor != 1.0 is not supported")
+    if rope_type == "default":
+        return float(theta), None
+    return float(theta), {"rope_type": rope_type, **params}
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:  # [head_dim // 2] float64
+    """RoPE inverse frequencies theta^(-2i/D), rescaled as rope_scaling says."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = args.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        # Position interpolation (Chen et al. 2023): positions / factor == inv_freq / factor.
+        return inv_freq / scaling["factor"]
+    # llama3: high frequencies (short wavelengths) kept, low frequencies divided by `factor`,
+    # a smooth ramp between low_freq_wavelen and high_freq_wavelen.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(
+    x: torch.Tensor,  # [T, H, D]
+    cos: torch.Tensor,  # [T, D // 2]
+    sin: torch.Tensor,  # [T, D // 2]
+) -> torch.Tensor:  # [T, H, D]
+    """Rotate pairs (x[i], x[i + D/2]) by angle position * inv_freq[i] (the HF "rotate_half"
+    layout, not the interleaved one of the original Meta checkpoints)."""
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    cos = cos[:, None, :].to(x.dtype)
+    sin = sin[:, None, :].to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xf = x.to(acc)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.scale = args.head_dim**-0.5
+        q_dim, kv_dim = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.wq = nn.Linear(args.hidden_size, q_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.hidden_size, kv_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(q_dim, args.hidden_size, bias=False)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos: torch.Tensor,  # [T, D/2]
+        sin: torch.Tensor,  # [T, D/2]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [NB, BS, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        T = x.shape[0]
+        q = self.wq(x).view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.wk(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.wv(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None:  # Qwen3: per-head norm, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = kv_cache
+        # This step's K/V go into the pool first; attention then reads every visible key
+        # (context and this step's own tokens) from the pool.
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        return self.wo(out.reshape(T, self.num_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x); w1 = gate_proj, w3 = up_proj, w2 = down_proj."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.w3 = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.w2 = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:  # [T, H] -> [T, H]
+        h = x + self.attention(self.attention_norm(x), cos, sin, kv_cache, meta)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, args: ModelArgs, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.output = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.to(dtype)
+        self.tie_weights()
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)  # [max_pos, D/2]
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)  # [max_pos, D/2]
+        self.init_rope_tables()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok_embeddings.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tok_embeddings.weight.device
+
+    def tie_weights(self) -> None:
+        if self.args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def init_rope_tables(self) -> None:
+        """cos/sin of position * inv_freq for every position up to max_position_embeddings.
+        Computed in float64, stored in float32 (float64 for a float64 model). Call again
+        after moving a model built on the meta device."""
+        table_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        shape = (self.args.max_position_embeddings, self.args.head_dim // 2)
+        if self.device.type == "meta":
+            self.rope_cos = torch.empty(shape, dtype=table_dtype, device="meta")
+            self.rope_sin = torch.empty(shape, dtype=table_dtype, device="meta")
+            return
+        positions = torch.arange(self.args.max_position_embeddings, dtype=torch.float64)
+        angles = torch.outer(positions, rope_inv_freq(self.args))  # [max_pos, D/2]
+        self.rope_cos = angles.cos().to(device=self.device, dtype=table_dtype)
+        self.rope_sin = angles.sin().to(device=self.device, dtype=table_dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (k, v) per layer, each [NB, BS, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H], after the final norm
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D/2]
+        x = self.tok_embeddings(input_ids)  # [T, H]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32/float64
+        logits = self.output(hidden)
+        return logits.double() if logits.dtype == torch.float64 else logits.float()
+
+    def make_kv_caches(
+        self, num_blocks: int, block_size: int, device: torch.device | str | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed K/V pool tensors, one (k, v) pair per layer, each [NB, BS, Hkv, D]."""
+        device = self.device if device is None else device
+        shape = (num_blocks, block_size, self.args.num_kv_heads, self.args.head_dim)
+        return [
+            (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
+            for _ in range(self.args.num_layers)
+        ]
