@@ -75,3 +75,78 @@ def copy_slots(
     for cache in caches:
         flat = cache.view(-1, *cache.shape[2:])
         flat[dst_slots] = flat[src_slots].clone()
+
+
+def tree_accept_reference(
+    target_probs: torch.Tensor,  # [B, N+1, V] float32, row 0 = root, row 1+n = after node n
+    target_argmax: torch.Tensor,  # [B, N+1] int64
+    draft_probs: torch.Tensor,  # [B, N, V] float32, read only for sampled nodes
+    tokens: torch.Tensor,  # [B, N] int64
+    parents: torch.Tensor,  # [B, N] int32, -1 = child of the root, BFS order
+    is_sampled: torch.Tensor,  # [B, N] bool
+    num_nodes: torch.Tensor,  # [B] int32
+    is_greedy: torch.Tensor,  # [B] bool
+    uniforms: torch.Tensor,  # [B, N+1] float32 in [0, 1)
+    max_depth: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tree verification, one sequence at a time; see kernels/tree_accept.py for the maths.
+
+    The residual p is kept unnormalised with its mass m = sum(p): the normalised test
+    u < p(x) / (m q(x)) is evaluated as u * q(x) * m < p(x), and the bonus is the first
+    token whose running sum of p exceeds u * m. The Triton kernel does exactly the same.
+    """
+    batch, max_nodes = tokens.shape
+    max_depth = max_nodes if max_depth is None else max_depth
+    accepted = torch.full((batch, max_depth), -1, dtype=torch.int32)
+    num_accepted = torch.zeros(batch, dtype=torch.int32)
+    bonus = torch.zeros(batch, dtype=torch.int64)
+    for b in range(batch):
+        n = int(num_nodes[b])
+        greedy = bool(is_greedy[b])
+        cur, row, path = -1, 0, []
+        p = target_probs[b, 0].float().clone()
+        mass = p.sum()
+        # Parents come before children, so one scan in index order visits the children of
+        # the current node in order, and the children of an accepted node after it.
+        for c in range(n):
+            if int(parents[b, c]) != cur:
+                continue
+            x = int(tokens[b, c])
+            if greedy:
+                ok = x == int(target_argmax[b, row])
+            elif bool(is_sampled[b, c]):
+                q = draft_probs[b, c].float()
+                ok = bool(uniforms[b, c] * q[x] * mass < p[x])
+                if not ok:
+                    residual = torch.clamp(p - q * mass, min=0.0)
+                    residual_mass = residual.sum()
+                    if residual_mass > 0:  # p == q up to rounding: rejection had probability 0
+                        p, mass = residual, residual_mass
+            else:
+                ok = bool(uniforms[b, c] * mass < p[x])
+                if not ok and mass - p[x] > 0:
+                    mass = mass - p[x]
+                    p = p.clone()
+                    p[x] = 0.0
+            if ok:
+                path.append(c)
+                cur, row = c, c + 1
+                p = target_probs[b, row].float().clone()
+                mass = p.sum()
+        if greedy:
+            bonus[b] = int(target_argmax[b, row])
+        else:
+            bonus[b] = _inverse_cdf(p, float(uniforms[b, max_nodes]) * mass)
+        num_accepted[b] = len(path)
+        kept = path[:max_depth]
+        accepted[b, : len(kept)] = torch.tensor(kept, dtype=torch.int32)
+    return accepted, num_accepted, bonus
+
+
+def _inverse_cdf(p: torch.Tensor, threshold: torch.Tensor | float) -> int:
+    """First index whose running sum of p exceeds threshold; the last index with p > 0 if
+    rounding leaves none (threshold = u * sum(p) with u just below 1)."""
+    above = (torch.cumsum(p, 0) > threshold).nonzero()
+    if above.numel() > 0:
+        return int(above[0, 0])
+    return int((p > 0).nonzero()[-1, 0])
