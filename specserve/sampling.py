@@ -1,0 +1,177 @@
+"""Sampling parameters and the one target distribution (DESIGN.md §5).
+
+`target_probs` turns logits into the distribution a request samples from, after its
+temperature, top-k and top-p. Both the plain sampler (`sample`) and the speculative
+verifier (tree_accept) call it, so a lossless verifier reproduces exactly what the sampler
+would have drawn: speculation changes speed, never the output distribution.
+
+Randomness: every sampled row consumes exactly one float64 uniform, drawn from the row's
+own `torch.Generator` (seeded requests) or from torch's default CPU generator (None). A
+seeded request therefore draws the same uniforms whatever else is in the batch, and with
+the same logits it produces the same tokens.
+"""
+
+import math
+from dataclasses import dataclass
+
+import msgspec
+import torch
+from torch import Tensor
+
+from specserve.errors import InvalidRequestError
+
+# Temperatures below this are greedy: dividing by them overflows, and argmax is the limit.
+GREEDY_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0
+# torch.Generator.manual_seed accepts [-2**63, 2**64 - 1].
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                       # 0 or -1: off
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0                  # EOS and stop_token_ids do not end the request before this
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):   # the OpenAI API allows a single string
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the field, its value and what is allowed."""
+
+        def bad(param: str, allowed: str):
+            value = getattr(self, param)
+            raise InvalidRequestError(f"{param} must be {allowed}, got {value!r}", param)
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", "an integer >= 1")
+        t = self.temperature
+        if not _is_number(t) or not math.isfinite(t) or not 0.0 <= t <= MAX_TEMPERATURE:
+            bad("temperature", f"a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "a number in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", "an integer >= 1, or 0 or -1 for no top-k")
+        if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
+            bad("seed", f"null or an integer in [{MIN_SEED}, {MAX_SEED}]")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(i) and i >= 0 for i in self.stop_token_ids):
+            bad("stop_token_ids", "a list of token ids >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "true or false")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"an integer in [0, max_tokens={self.max_tokens}]")
+
+
+def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """A generator for one seeded request. Keep it on the CPU: `sample` draws there."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of one step, built once and shared by sampler and verifier."""
+
+    temperature: Tensor   # [N] float32, < GREEDY_TEMPERATURE = greedy
+    top_k: Tensor         # [N] int64, 0 = off
+    top_p: Tensor         # [N] float32, 1 = off
+    all_greedy: bool      # lets the caller skip target_probs/sample for an all-greedy batch
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], device: str | torch.device = "cpu") -> "SamplingTensors":
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            all_greedy=all(p.is_greedy for p in params),
+        )
+
+
+def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """The distribution each row samples from: softmax(logits / T) restricted by top-k, top-p.
+
+    logits [N, V]; temperature [N] float; top_k [N] int (<= 0 = off); top_p [N] float.
+    Returns [N, V] probabilities (float32, float64 if logits are).
+
+    - top-k keeps the k highest logits; top-p then keeps the smallest prefix of the
+      remaining tokens (by descending probability) whose mass is >= p, so the top token is
+      always kept. Ties rank by token id (stable sort), so the kept set is deterministic.
+    - Greedy rows (T < 1e-5) get plain softmax(logits) with no top-k/top-p: callers take
+      argmax for them, and the softmax keeps the rows finite.
+    """
+    if logits.dtype != torch.float64:
+        logits = logits.float()
+    num_rows, vocab_size = logits.shape
+    greedy = temperature < GREEDY_TEMPERATURE                                   # [N]
+    temperature = torch.where(greedy, 1.0, temperature.to(logits.dtype))       # [N]
+    k = torch.where(greedy | (top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)   # [N]
+    p = torch.where(greedy, 1.0, top_p.to(logits.dtype))                        # [N]
+
+    sorted_logits, sorted_ids = (logits / temperature[:, None]).sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(vocab_size, device=logits.device)                       # [V]
+    keep = ranks[None, :] < k[:, None]                                           # [N, V] top-k
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(~keep, -math.inf), dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs                     # mass of higher ranks
+    keep &= (mass_before < p[:, None]) | (p[:, None] >= 1.0) | (ranks[None, :] == 0)
+    sorted_probs = sorted_probs.masked_fill(~keep, 0.0)
+    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(sorted_probs).scatter_(-1, sorted_ids, sorted_probs)
+
+
+def _uniforms(generators: list[torch.Generator | None]) -> Tensor:
+    """One U[0, 1) float64 per row, on the CPU: [N]. Rows with a generator draw only from it."""
+    u = torch.empty(len(generators), dtype=torch.float64)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i] = torch.rand(1, dtype=torch.float64, generator=g)[0]
+    return u
+
+
+def sample(
+    logits: Tensor,          # [N, V]
+    temperature: Tensor,     # [N] float
+    top_k: Tensor,           # [N] int
+    top_p: Tensor,           # [N] float
+    generators: list[torch.Generator | None],   # N entries, CPU generators
+) -> Tensor:
+    """Next token per row: [N] int64. Greedy rows take argmax(logits); others draw from target_probs.
+
+    Draws by inverse CDF: with u ~ U[0, 1) the token is the first whose cumulative
+    probability exceeds u * total. Zero-probability tokens never are (their CDF step is
+    empty), so top-k/top-p masks hold exactly.
+    """
+    assert len(generators) == logits.shape[0], f"{len(generators)} generators for {logits.shape[0]} rows"
+    probs = target_probs(logits, temperature, top_k, top_p)                     # [N, V]
+    cdf = probs.double().cumsum(dim=-1)                                          # [N, V]
+    u = _uniforms(generators).to(logits.device)                                  # [N]
+    x = (u * cdf[:, -1]).unsqueeze(1)                                            # [N, 1]
+    sampled = torch.searchsorted(cdf, x, right=True).squeeze(1)                  # [N]
+    # u * total can round up to total itself: fall back to the last token with mass.
+    sampled = torch.where(sampled >= logits.shape[1], cdf.argmax(dim=-1), sampled)
+    greedy = temperature < GREEDY_TEMPERATURE
+    return torch.where(greedy, logits.argmax(dim=-1), sampled).to(torch.int64)
