@@ -34,3 +34,25 @@ def copy_slots(caches, src_slots, dst_slots) -> None:
 
         return kv_ops.copy_slots(caches, src_slots, dst_slots)
     return reference.copy_slots(caches, src_slots, dst_slots)
+
+
+def tree_accept(
+    target_probs,  # [B, N+1, V] float32
+    target_argmax,  # [B, N+1] int64
+    draft_probs,  # [B, N, V] float32
+    tokens,  # [B, N] int64
+    parents,  # [B, N] int32
+    is_sampled,  # [B, N] bool
+    num_nodes,  # [B] int32
+    is_greedy,  # [B] bool
+    uniforms,  # [B, N+1] float32
+    max_depth: int | None = None,
+):
+    """-> (accepted [B, max_depth] int32, num_accepted [B] int32, bonus [B] int64); see
+    kernels/tree_accept.py. max_depth defaults to N."""
+    args = (target_probs, target_argmax, draft_probs, tokens, parents, is_sampled, num_nodes, is_greedy, uniforms)
+    if _use_triton(target_probs):
+        from specserve.kernels import tree_accept as ta
+
+        return ta.tree_accept(*args, max_depth=max_depth)
+    return reference.tree_accept_reference(*args, max_depth=max_depth)
