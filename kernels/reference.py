@@ -97,9 +97,10 @@ def tree_accept_reference(
     """
     batch, max_nodes = tokens.shape
     max_depth = max_nodes if max_depth is None else max_depth
-    accepted = torch.full((batch, max_depth), -1, dtype=torch.int32)
-    num_accepted = torch.zeros(batch, dtype=torch.int32)
-    bonus = torch.zeros(batch, dtype=torch.int64)
+    device = tokens.device
+    accepted = torch.full((batch, max_depth), -1, dtype=torch.int32, device=device)
+    num_accepted = torch.zeros(batch, dtype=torch.int32, device=device)
+    bonus = torch.zeros(batch, dtype=torch.int64, device=device)
     for b in range(batch):
         n = int(num_nodes[b])
         greedy = bool(is_greedy[b])

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 
 from specserve.kernels import kv_ops, reference
+
+from ._device import DEVICE
 
 
 # (k/v dtype, cache dtype). fp32 -> bf16 is left out: the interpreter rounds it toward zero
@@ -33,7 +31,9 @@ def test_write_kv_equals_reference(dtypes, heads_dim):
     want = [c.clone() for c in caches]
     old = caches[0].clone().view(-1, num_kv_heads, head_dim)
     reference.write_kv(k, v, want[0], want[1], slots)
-    kv_ops.write_kv(k, v, caches[0], caches[1], slots)
+    on_device = [c.to(DEVICE) for c in caches]
+    kv_ops.write_kv(k.to(DEVICE), v.to(DEVICE), on_device[0], on_device[1], slots.to(DEVICE))
+    caches = [c.cpu() for c in on_device]
     assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
     # written rows hold k; every other slot (including the skipped rows') kept its old value
     rows = caches[0].view(-1, num_kv_heads, head_dim)
@@ -57,7 +57,9 @@ def test_copy_slots_overlapping_chains_and_two_models():
     before = [c.clone() for c in caches]
     want = [c.clone() for c in caches]
     reference.copy_slots(want, src, dst)
-    kv_ops.copy_slots(caches, src, dst)
+    on_device = [c.to(DEVICE) for c in caches]
+    kv_ops.copy_slots(on_device, src.to(DEVICE), dst.to(DEVICE))
+    caches = [c.cpu() for c in on_device]
     for w, c in zip(want, caches):
         assert torch.equal(w, c)
     # every destination holds what its source held before the call, in every cache

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 
@@ -13,6 +9,8 @@ from specserve.kernels import reference
 from specserve.kernels.paged_attention import paged_attention
 from specserve.kernels.tree_attention import build_tree_mask, tree_attention
 from specserve.model.attention import AttentionMetadata
+
+from ._device import DEVICE, INTERPRETED, to_device
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -53,7 +51,7 @@ def make_case(ctx_and_q_lens, num_q_heads, num_kv_heads, head_dim, block_size, d
 def check(q, k_cache, v_cache, meta, dtype, fn=paged_attention):
     scale = q.shape[-1] ** -0.5
     want = reference.paged_attention(q.double(), k_cache.double(), v_cache.double(), meta, scale)
-    got = fn(q, k_cache, v_cache, meta, scale)
+    got = fn(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), to_device(meta), scale).cpu()
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
 
@@ -79,7 +77,7 @@ def test_head_dim_not_power_of_two_or_below_16(head_dim):
 
 
 @pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") == "1",
+    INTERPRETED,
     reason="the Triton 3.9 interpreter's tl.dot returns garbage for bf16 operands (checked with a "
     "bare 16x16 dot); the kernel's bf16 path is exercised on a GPU",
 )
@@ -91,7 +89,7 @@ def test_small_query_tiles_span_several_programs():
     q, k, v, meta = make_case([(3, 21), (0, 2)], 2, 2, 16, 4, torch.float32, seed=4)
     scale = 0.25
     want = reference.paged_attention(q, k, v, meta, scale)
-    got = paged_attention(q, k, v, meta, scale, block_q=8, block_n=16)
+    got = paged_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), to_device(meta), scale, block_q=8, block_n=16).cpu()
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -134,7 +132,7 @@ def test_tree_attention_equals_each_branch_run_as_a_chain():
     parents, pending, ctx = [-1, -1, 0, 1, 2], 1, 6
     q, k, v, meta = make_case([(ctx, pending + 5)], 2, 1, 16, 4, torch.float32, seed=6,
                               custom_mask=build_tree_mask([parents], [pending]))  # fmt: skip
-    out = tree_attention(q, k, v, meta, 0.25)
+    out = tree_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), to_device(meta), 0.25).cpu()
     path = [0, 1, 3, 5]  # pending token, node 0, node 2, node 4 (rows in this step)
     # rebuild a pool holding the path contiguously and attend causally
     table = meta.block_tables[0].tolist()
@@ -147,7 +145,7 @@ def test_tree_attention_equals_each_branch_run_as_a_chain():
     chain_k = torch.zeros(3 * 4, 1, 16)
     chain_v = torch.zeros(3 * 4, 1, 16)
     chain_k[:10], chain_v[:10] = flat_k[slots], flat_v[slots]
-    want = paged_attention(q[path].contiguous(), chain_k.view(3, 4, 1, 16), chain_v.view(3, 4, 1, 16), chain, 0.25)
+    want = reference.paged_attention(q[path], chain_k.view(3, 4, 1, 16), chain_v.view(3, 4, 1, 16), chain, 0.25)
     torch.testing.assert_close(out[path], want, atol=1e-5, rtol=1e-5)
 
 

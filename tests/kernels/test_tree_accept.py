@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 import torch
 
 from specserve.kernels.reference import tree_accept_reference
-from specserve.kernels.tree_accept import tree_accept
+from specserve.kernels import ops
+from specserve.kernels.tree_accept import tree_accept as _tree_accept
+
+from ._device import DEVICE
+
+
+def tree_accept(*inputs, **kwargs):
+    """The Triton kernel on DEVICE, results back on CPU."""
+    return tuple(t.cpu() for t in _tree_accept(*[x.to(DEVICE) for x in inputs], **kwargs))
 
 
 def make_batch(trees, vocab, greedy_flags, seed, agree=0.5):
@@ -84,6 +88,12 @@ def test_nothing_accepted_and_everything_accepted():
     assert int(want[2][3]) == int(target_argmax[3, 4])
     assert int(want[2][1]) == int(target_argmax[1, 0])
     for w, g in zip(want, got):
+        assert torch.equal(w, g)
+
+
+def test_ops_dispatch_on_cpu_is_the_reference():
+    inputs = make_batch([MIXED_TREE, [], CHAIN], 6, [False, False, True], seed=9)
+    for w, g in zip(tree_accept_reference(*inputs), ops.tree_accept(*inputs)):
         assert torch.equal(w, g)
 
 
