@@ -22,7 +22,7 @@ float64 all the way through: that is what the bit-exact greedy tests rely on.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +59,6 @@ class ModelArgs:
     max_position_embeddings: int = 4096
     architecture: str = "LlamaForCausalLM"
     torch_dtype: str | None = None  # the checkpoint's dtype as named in config.json, if any
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def from_hf_config(cls, cfg) -> ModelArgs:
