@@ -186,9 +186,10 @@ def paged_attention(
         return out
     group = num_q_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
-    if block_q is None:  # at least 16 rows for tl.dot, at most 64
+    if block_q is None:  # at most 64 rows (tokens x group heads) per program
         block_q = max(1, min(64 // group_p2, triton.next_power_of_2(max(meta.max_query_len, 1))))
-        block_q = max(block_q, triton.cdiv(16, group_p2))
+    # tl.dot needs >= 16 rows, and tiles are powers of two
+    block_q = max(triton.next_power_of_2(block_q), triton.cdiv(16, group_p2))
     grid = (num_seqs, triton.cdiv(max(meta.max_query_len, 1), block_q), num_kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,

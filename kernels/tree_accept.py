@@ -210,11 +210,14 @@ def tree_accept(
     bonus = torch.empty(batch, dtype=torch.int64, device=device)
     if batch == 0:
         return accepted, num_accepted, bonus
-    # draft_probs may be [B, 0, V] when no sequence has a tree; give the kernel a valid pointer.
-    draft = draft_probs if draft_probs.numel() > 0 else target_probs
+    is_sampled, is_greedy = is_sampled.view(torch.int8), is_greedy.view(torch.int8)
+    if max_nodes == 0:
+        # No sequence has a tree: the node tensors are empty and never read, but the launcher
+        # wants real device pointers, so hand it same-typed tensors that exist.
+        draft_probs, tokens, parents, is_sampled = target_probs, target_argmax, num_nodes, is_greedy
     _tree_accept_kernel[(batch,)](
-        target_probs, target_argmax, draft, tokens, parents,
-        is_sampled.view(torch.int8), num_nodes, is_greedy.view(torch.int8), uniforms,
+        target_probs, target_argmax, draft_probs, tokens, parents,
+        is_sampled, num_nodes, is_greedy, uniforms,
         workspace, accepted, num_accepted, bonus,
         max_nodes, vocab, max_depth,
         BLOCK_V=min(triton.next_power_of_2(max(vocab, 1)), 1024),

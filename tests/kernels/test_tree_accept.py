@@ -91,6 +91,18 @@ def test_nothing_accepted_and_everything_accepted():
         assert torch.equal(w, g)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_no_trees_at_all_is_plain_decode(seed):
+    """N = 0 for the whole batch: the bonus is the target's own sample (or argmax)."""
+    inputs = make_batch([[], [], []], 11, [False, True, False], seed=seed)
+    want = tree_accept_reference(*inputs)
+    got = tree_accept(*inputs)
+    assert want[0].shape == (3, 0) and want[1].tolist() == [0, 0, 0]
+    assert int(want[2][1]) == int(inputs[1][1, 0])
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+
+
 def test_ops_dispatch_on_cpu_is_the_reference():
     inputs = make_batch([MIXED_TREE, [], CHAIN], 6, [False, False, True], seed=9)
     for w, g in zip(tree_accept_reference(*inputs), ops.tree_accept(*inputs)):
