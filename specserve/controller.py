@@ -1,0 +1,547 @@
+"""Adaptive speculation controller: how deep, and how wide, to speculate for each batch.
+
+DESIGN.md §6. Plain Python (no torch): ints, floats and lists, so it is unit-tested on
+synthetic cost models.
+
+The quantity maximised is *goodput*, committed tokens per second of one engine step::
+
+    goodput(d, n) = sum_i E_i(d, n) / cost(d, n)
+    cost(d, n)    = d * t_draft(B) + t_verify(B, B * (n + 1))        (d = 0: t_verify(B, B))
+
+``d`` is the depth (draft steps), ``n`` the node budget (tree nodes, root excluded; a chain
+has ``n == d``; ``d = n = 0`` is plain decode with the draft idle). Each of the ``B``
+sequences feeds its pending token plus ``n`` nodes to the verify pass, hence ``B * (n + 1)``
+tokens.
+
+**Expected accepted length.** ``a_k`` is the conditional probability that the drafter's
+first choice at depth ``k`` is accepted given that the path up to depth ``k - 1`` was
+(Leviathan et al. 2023 assume one constant ``alpha``; we keep one per position because it
+falls with depth). For a chain of depth ``d`` the expected number of tokens committed by one
+verify pass, bonus token included, is::
+
+    E_chain(d) = 1 + sum_{k=1..d} prod_{j=1..k} a_j
+
+**Trees.** The spine is the chain of first choices; the ``n - d`` remaining nodes are
+alternates hung beside the spine (SpecInfer/EAGLE-style top-k siblings). ``b`` is the
+probability that the next-ranked alternate is accepted once every higher-ranked child at
+that depth has been rejected (measured, ``accepted_ranks``). With ``w_k`` alternates at
+depth ``k``, the path reaches depth ``k`` with probability::
+
+    P(reach k) = prod_{j<k} a_j * (1 - (1 - a_k) * (1 - b) ** w_k)
+
+and ``E = 1 + sum_k P(reach k)``. The m-th alternate at depth k adds
+``prod_{j<k} a_j * (1 - a_k) * b * (1 - b) ** (m - 1)``, which falls with m, so the greedy
+allocation (always the largest next gain) is optimal for this model and
+``E(d, n) = E_chain(d) + (sum of the n - d largest gains)``. When the drafter knows its own
+path probabilities, :func:`tree_expected_accepted` gives the EAGLE-2 estimate
+``1 + sum of node path probabilities`` (exact in expectation for a calibrated drafter under
+lossless stochastic verification: a node is on the accepted path with its path probability).
+
+**Per request.** ``a_k`` is an EMA per request and position, shrunk toward the global
+per-position EMA by its number of observations (a new request uses the global one)::
+
+    a_ik = (c_ik * ema_ik + s * g_k) / (c_ik + s)
+
+**Cost model.** ``t_draft(B)`` (seconds per draft step) and ``t_verify(B, T)`` (seconds per
+verify pass over ``T`` tokens) are measured online: batch sizes bucketed in powers of two,
+token counts in power-of-two buckets inside each batch bucket, each bucket an EMA of the
+time and of the exact ``T`` it saw. Queries interpolate piecewise-linearly in ``T`` between
+measured buckets, extrapolate with the last segment's slope beyond the largest (linear in
+tokens), and interpolate in ``log2 B`` between batch buckets. :meth:`AdaptiveController.calibrate`
+warm-starts the tables at start-up from a short measurement.
+
+**High load.** Once the verify pass is compute-bound, ``t_verify(B, B(n+1)) ~ (n+1) t_verify(B, B)``
+while ``E < n + 1``, so every ``d > 0`` loses to plain decode and the controller falls to
+``d = 0`` by itself; acceptance alone cannot tell (it stays flat while the best depth flips).
+
+**Exploration.** A position never observed takes the estimate of the position above it.
+Positions deeper than the steps actually verified get no fresh data: their global estimate
+decays slowly toward ``prior_acceptance``. After ``probe_interval`` steps
+without data for the position just below the current depth, one step is run one level deeper
+(from ``d = 0``: depth ``probe_depth``), so the estimates cannot go stale; at most one probe
+per interval, so the cost is bounded by ``1 / probe_interval`` of a step.
+
+**Hysteresis.** The current plan is kept unless the best plan's predicted goodput beats it by
+more than ``switch_margin`` (relative), or the same challenger has been best for
+``switch_patience`` consecutive plans.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Sequence
+
+
+@dataclass(frozen=True)
+class Plan:
+    depth: int       # draft steps; 0 = plain decode, draft idle
+    num_nodes: int   # tree nodes excluding the root; == depth for a chain, 0 for plain decode
+
+
+@dataclass
+class StepStats:
+    """What one engine step did and measured, fed to :meth:`AdaptiveController.observe`."""
+
+    batch_size: int
+    depth: int
+    num_nodes: int
+    draft_s: float                  # wall time of all `depth` draft steps together
+    verify_s: float                 # wall time of the target's verify (or plain decode) pass
+    num_accepted: list[int]         # [B] tree nodes accepted per request, bonus token not counted
+    request_ids: list[Hashable]     # [B]
+    # [B][num_accepted_i] sibling rank of each accepted node along its path (0 = the drafter's
+    # first choice at that depth). Optional; without it an accepted alternate is counted as
+    # an accepted first choice (acceptance overestimated), so the engine should pass it.
+    accepted_ranks: list[list[int]] | None = None
+
+
+def tree_expected_accepted(path_probs: Sequence[float]) -> float:
+    """EAGLE-2 estimate of tokens per verify pass from the draft's path probability of each
+    node (the product of draft probabilities from the root to the node): 1 + their sum."""
+    return 1.0 + float(sum(path_probs))
+
+
+def _bucket(x: int) -> int:
+    """Smallest power of two >= x (x >= 1)."""
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+class _EmaPoint:
+    __slots__ = ("x", "t", "count")
+
+    def __init__(self, x: float, t: float):
+        self.x, self.t, self.count = float(x), float(t), 1
+
+    def update(self, x: float, t: float, alpha: float) -> None:
+        # The first few samples are averaged plainly, so one outlier at start-up does not stick.
+        w = max(alpha, 1.0 / (self.count + 1))
+        self.x += w * (x - self.x)
+        self.t += w * (t - self.t)
+        self.count += 1
+
+
+def _interp_points(points: list[_EmaPoint], x: float) -> float:
+    """Piecewise-linear through points sorted by x; linear extrapolation with the end
+    segments' slopes (never negative); one point: half fixed, half proportional to x."""
+    if len(points) == 1:
+        p = points[0]
+        return p.t * (0.5 + 0.5 * x / p.x) if p.x > 0 else p.t
+    xs = [p.x for p in points]
+    i = bisect.bisect_left(xs, x)
+    if i == 0:
+        lo, hi = points[0], points[1]
+    elif i >= len(points):
+        lo, hi = points[-2], points[-1]
+    else:
+        lo, hi = points[i - 1], points[i]
+    slope = max(0.0, (hi.t - lo.t) / (hi.x - lo.x)) if hi.x > lo.x else 0.0
+    t = lo.t + slope * (x - lo.x)
+    return max(t, 0.1 * points[0].t)
+
+
+class CostModel:
+    """Measured step costs: t_draft(B) per draft step and t_verify(B, num_tokens) per pass."""
+
+    def __init__(self, alpha: float = 0.1):
+        self.alpha = alpha
+        self._draft: dict[int, _EmaPoint] = {}                    # batch bucket -> (B, t)
+        self._verify: dict[int, dict[int, _EmaPoint]] = {}        # batch bucket -> token bucket -> (T, t)
+
+    @property
+    def has_draft(self) -> bool:
+        return bool(self._draft)
+
+    @property
+    def has_verify(self) -> bool:
+        return bool(self._verify)
+
+    def observe_draft(self, batch_size: int, seconds_per_step: float) -> None:
+        b = _bucket(batch_size)
+        if b in self._draft:
+            self._draft[b].update(batch_size, seconds_per_step, self.alpha)
+        else:
+            self._draft[b] = _EmaPoint(batch_size, seconds_per_step)
+
+    def observe_verify(self, batch_size: int, num_tokens: int, seconds: float) -> None:
+        row = self._verify.setdefault(_bucket(batch_size), {})
+        tb = _bucket(num_tokens)
+        if tb in row:
+            row[tb].update(num_tokens, seconds, self.alpha)
+        else:
+            row[tb] = _EmaPoint(num_tokens, seconds)
+
+    def t_draft(self, batch_size: int) -> float:
+        if not self._draft:
+            return 0.0
+        points = [self._draft[b] for b in sorted(self._draft)]
+        return _interp_points(points, batch_size)
+
+    def t_verify(self, batch_size: int, num_tokens: int) -> float:
+        if not self._verify:
+            return 0.0
+        buckets = sorted(self._verify)
+        b = _bucket(batch_size)
+
+        def at(bucket: int) -> float:
+            row = self._verify[bucket]
+            return _interp_points([row[k] for k in sorted(row)], num_tokens)
+
+        if b in self._verify:
+            return at(b)
+        i = bisect.bisect_left(buckets, b)
+        if i == 0:
+            return at(buckets[0])
+        if i == len(buckets):
+            return at(buckets[-1])
+        lo, hi = buckets[i - 1], buckets[i]
+        f = (math.log2(b) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+        return (1 - f) * at(lo) + f * at(hi)
+
+    def snapshot(self) -> dict:
+        return {
+            "draft_s_per_step": {b: p.t for b, p in sorted(self._draft.items())},
+            "verify_s": {b: {tb: (p.x, p.t) for tb, p in sorted(row.items())}
+                         for b, row in sorted(self._verify.items())},
+        }
+
+
+@dataclass
+class _RequestAcceptance:
+    ema: list[float] = field(default_factory=list)    # [max_depth] per-position EMA
+    count: list[int] = field(default_factory=list)    # [max_depth] observations
+
+
+class AdaptiveController:
+    """Chooses Plan(depth, num_nodes) per batch; see the module docstring for the maths."""
+
+    def __init__(
+        self,
+        mode: str = "adaptive",
+        max_depth: int = 8,
+        static_depth: int = 4,
+        static_num_nodes: int | None = None,
+        max_num_nodes: int | None = None,
+        prior_acceptance: float = 0.6,
+        prior_sibling_acceptance: float = 0.25,
+        acceptance_alpha: float = 0.05,
+        request_alpha: float = 0.2,
+        request_shrinkage: float = 4.0,
+        cost_alpha: float = 0.1,
+        stale_decay: float = 0.002,
+        switch_margin: float = 0.03,
+        switch_patience: int = 20,
+        probe_interval: int = 200,
+        probe_depth: int = 2,
+        draft_cost_guess: float = 0.2,
+    ):
+        if mode not in ("adaptive", "static"):
+            raise ValueError(f"controller mode must be 'adaptive' or 'static', got {mode!r}")
+        if not 0 <= max_depth <= 64:
+            raise ValueError(f"max_depth must be in 0..64, got {max_depth}")
+        if max_num_nodes is None:
+            max_num_nodes = max_depth
+        if max_num_nodes < max_depth:
+            raise ValueError(f"max_num_nodes ({max_num_nodes}) must be >= max_depth ({max_depth})")
+        if mode == "adaptive":   # the static plan is unused; keep it within range
+            static_depth = min(static_depth, max_depth)
+            static_num_nodes = None if static_num_nodes is None else max(
+                static_depth, min(static_num_nodes, max_num_nodes))
+        if static_num_nodes is None:
+            static_num_nodes = static_depth
+        if not 0 <= static_depth <= max_depth:
+            raise ValueError(f"static_depth must be in 0..{max_depth}, got {static_depth}")
+        if not static_depth <= static_num_nodes <= max(max_num_nodes, static_depth) or (
+            static_depth == 0 and static_num_nodes != 0
+        ):
+            raise ValueError(
+                f"static_num_nodes must be in {static_depth}..{max_num_nodes} "
+                f"(0 when static_depth is 0), got {static_num_nodes}"
+            )
+        for name, v in (("prior_acceptance", prior_acceptance),
+                        ("prior_sibling_acceptance", prior_sibling_acceptance)):
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {v}")
+        self.mode = mode
+        self.max_depth = max_depth
+        self.max_num_nodes = max_num_nodes
+        self.static_plan = Plan(static_depth, static_num_nodes)
+        self.prior_acceptance = prior_acceptance
+        self.acceptance_alpha = acceptance_alpha
+        self.request_alpha = request_alpha
+        self.request_shrinkage = request_shrinkage
+        self.stale_decay = stale_decay
+        self.switch_margin = switch_margin
+        self.switch_patience = switch_patience
+        self.probe_interval = probe_interval
+        self.draft_cost_guess = draft_cost_guess
+        self.probe_depth = max(1, min(probe_depth, max_depth)) if max_depth else 0
+
+        self.costs = CostModel(cost_alpha)
+        # Global per-position acceptance a_k (index k-1) and sibling acceptance b.
+        self.acceptance = [prior_acceptance] * max_depth
+        self.sibling_acceptance = prior_sibling_acceptance
+        self._requests: dict[Hashable, _RequestAcceptance] = {}
+        self._steps_since_seen = [0] * max_depth   # steps since position k got data
+        self._num_seen = [0] * max_depth           # observations of position k, ever
+
+        # Decision state and exported metrics.
+        self.current = self.static_plan if mode == "static" else Plan(0, 0)
+        self._challenger: Plan | None = None
+        self._challenger_streak = 0
+        self.num_steps = 0
+        self.num_plan_changes = 0
+        self.num_probes = 0
+        self.depth_histogram: dict[int, int] = {}
+        self.goodput_estimate = 0.0          # predicted tokens/s of the last plan
+        self.expected_tokens_per_pass = 1.0  # predicted tokens per sequence per verify pass
+        self.measured_goodput = 0.0          # EMA of observed tokens/s
+        self.last_plan = self.current
+
+    # ---------------------------------------------------------------- start-up
+    def calibrate(
+        self,
+        measure_verify: Callable[[int, int], float],
+        measure_draft: Callable[[int], float] | None = None,
+        batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+        nodes_per_seq: Sequence[int] = (0, 1, 3, 7),
+    ) -> None:
+        """Warm-start the cost tables: ``measure_verify(batch_size, num_tokens) -> seconds`` of
+        one verify pass, ``measure_draft(batch_size) -> seconds`` of one draft step."""
+        for b in batch_sizes:
+            for n in nodes_per_seq:
+                if n > self.max_num_nodes:
+                    continue
+                num_tokens = b * (n + 1)
+                self.costs.observe_verify(b, num_tokens, float(measure_verify(b, num_tokens)))
+            if measure_draft is not None:
+                self.costs.observe_draft(b, float(measure_draft(b)))
+
+    def forget(self, request_id: Hashable) -> None:
+        """The request finished: drop its acceptance history."""
+        self._requests.pop(request_id, None)
+
+    # ---------------------------------------------------------------- estimates
+    def global_acceptance(self) -> list[float]:
+        """[max_depth] global a_k; a position never observed takes the estimate of the one
+        above it (acceptance falls slowly with depth), so that a prior below the measured
+        acceptance does not hold the depth down until a probe happens to reach it."""
+        g = list(self.acceptance)
+        for k in range(1, len(g)):
+            if self._num_seen[k] == 0 and self._num_seen[k - 1] > 0:
+                g[k] = g[k - 1]
+        return g
+
+    def request_acceptance(self, request_id: Hashable, global_acc: list[float] | None = None) -> list[float]:
+        """[max_depth] a_k for one request: its EMA shrunk toward the global EMA."""
+        g = self.global_acceptance() if global_acc is None else global_acc
+        r = self._requests.get(request_id)
+        if r is None:
+            return g
+        s = self.request_shrinkage
+        return [(c * e + s * gk) / (c + s) for e, c, gk in zip(r.ema, r.count, g)]
+
+    def _alternate_gains(self, miss: list[float], depth: int, budget: int) -> list[float]:
+        """The `budget` largest marginal gains of alternates at depths 1..depth, descending.
+        miss[k-1] = sum_i prod_{j<k} a_ij (1 - a_ik)."""
+        b = self.sibling_acceptance
+        if budget <= 0 or b <= 0.0:
+            return []
+        gains = []
+        for k in range(depth):
+            g = miss[k] * b
+            for _ in range(budget):
+                if g <= 1e-12:
+                    break
+                gains.append(g)
+                g *= 1.0 - b
+        gains.sort(reverse=True)
+        return gains[:budget]
+
+    def _alternate_counts(self, depth: int, num_nodes: int, accs: list[float]) -> list[int]:
+        """Greedy allocation of num_nodes - depth alternates over depths (mean request)."""
+        counts = [0] * depth
+        b = self.sibling_acceptance
+        if b <= 0.0:
+            return counts
+        prefix, miss = 1.0, []
+        for k in range(depth):
+            miss.append(prefix * (1.0 - accs[k]))
+            prefix *= accs[k]
+        for _ in range(num_nodes - depth):
+            k = max(range(depth), key=lambda k: miss[k] * (1.0 - b) ** counts[k])
+            counts[k] += 1
+        return counts
+
+    def _node_budgets(self, depth: int) -> list[int]:
+        if depth == 0 or self.max_num_nodes == self.max_depth:
+            return [depth]   # chains only: trees are enabled by max_num_nodes > max_depth
+        hi = self.max_num_nodes
+        cands = set(range(depth, min(hi, 16) + 1))
+        cands.update(n for n in range(16, hi + 1, 8) if n >= depth)
+        cands.add(hi)
+        return sorted(n for n in cands if depth <= n <= hi)
+
+    def evaluate(self, batch_size: int, request_ids: Sequence[Hashable]) -> dict[Plan, tuple[float, float]]:
+        """Every candidate plan -> (predicted goodput tokens/s, expected tokens per sequence)."""
+        B = max(1, batch_size)
+        ids = list(request_ids) or [None] * B
+        g = self.global_acceptance()
+        accs = [self.request_acceptance(r, g) for r in ids]
+        # chain[k] = sum_i E_chain_i(k); reach/miss per depth, summed over requests.
+        chain = [float(len(accs))]
+        miss = []
+        prefixes = [1.0] * len(accs)
+        for k in range(self.max_depth):
+            m = 0.0
+            for i, a in enumerate(accs):
+                m += prefixes[i] * (1.0 - a[k])
+                prefixes[i] *= a[k]
+            miss.append(m)
+            chain.append(chain[-1] + sum(prefixes))
+        scale = B / len(accs)   # request_ids may be shorter than the batch (prefills)
+        t_verify0 = self.costs.t_verify(B, B)
+        out: dict[Plan, tuple[float, float]] = {}
+        if not self.costs.has_verify:
+            # No measurement yet: cannot compare, report the plain-decode estimate only.
+            out[Plan(0, 0)] = (0.0, 1.0)
+            return out
+        # Before the first draft measurement, guess a draft step at a fraction of a decode
+        # pass; the first speculative step replaces the guess with a measurement.
+        t_draft = self.costs.t_draft(B) if self.costs.has_draft else self.draft_cost_guess * t_verify0
+        for d in range(self.max_depth + 1):
+            budgets = self._node_budgets(d)
+            gains = self._alternate_gains(miss, d, budgets[-1] - d) if d else []
+            cum = [0.0]
+            for g in gains:
+                cum.append(cum[-1] + g)
+            for n in budgets:
+                extra = cum[min(n - d, len(cum) - 1)]
+                total = (chain[d] + extra) * scale
+                cost = d * t_draft + (self.costs.t_verify(B, B * (n + 1)) if d else t_verify0)
+                out[Plan(d, n)] = (total / cost if cost > 0 else 0.0, total / B)
+        return out
+
+    # ---------------------------------------------------------------- decisions
+    def plan(self, batch_size: int, request_ids: Sequence[Hashable] = ()) -> Plan:
+        if self.mode == "static" or self.max_depth == 0:
+            chosen = self.static_plan if self.mode == "static" else Plan(0, 0)
+            if self.costs.has_verify:
+                scores = self.evaluate(batch_size, request_ids)
+                self.goodput_estimate, self.expected_tokens_per_pass = scores.get(chosen, (0.0, 1.0))
+            return self._record(chosen)
+
+        scores = self.evaluate(batch_size, request_ids)
+        best = max(scores, key=lambda p: (scores[p][0], -p.num_nodes))
+        cur = self.current if self.current in scores else best
+        g_best, g_cur = scores[best][0], scores[cur][0]
+        if best != cur:
+            if g_best > g_cur * (1.0 + self.switch_margin):
+                cur = self._switch(best)
+            else:
+                if best == self._challenger:
+                    self._challenger_streak += 1
+                else:
+                    self._challenger, self._challenger_streak = best, 1
+                if self._challenger_streak >= self.switch_patience:
+                    cur = self._switch(best)
+        else:
+            self._challenger, self._challenger_streak = None, 0
+        self.current = cur
+
+        chosen = cur
+        probe_pos = cur.depth  # 0-based index of the first position this plan leaves unverified
+        if (probe_pos < self.max_depth and self.probe_interval > 0
+                and self._steps_since_seen[probe_pos] >= self.probe_interval):
+            depth = self.probe_depth if cur.depth == 0 else cur.depth + 1
+            chosen = Plan(depth, max(depth, cur.num_nodes))
+            self.num_probes += 1
+            for k in range(depth):
+                self._steps_since_seen[k] = 0   # do not probe again before it reports
+        self.goodput_estimate, self.expected_tokens_per_pass = scores.get(chosen, scores[cur])
+        return self._record(chosen)
+
+    def _switch(self, plan: Plan) -> Plan:
+        self.num_plan_changes += 1
+        self._challenger, self._challenger_streak = None, 0
+        return plan
+
+    def _record(self, plan: Plan) -> Plan:
+        self.depth_histogram[plan.depth] = self.depth_histogram.get(plan.depth, 0) + 1
+        self.last_plan = plan
+        return plan
+
+    # ---------------------------------------------------------------- feedback
+    def observe(self, stats: StepStats) -> None:
+        B = stats.batch_size
+        if B <= 0:
+            return
+        self.num_steps += 1
+        if stats.depth > 0 and stats.draft_s > 0:
+            self.costs.observe_draft(B, stats.draft_s / stats.depth)
+        if stats.verify_s > 0:
+            self.costs.observe_verify(B, B * (stats.num_nodes + 1), stats.verify_s)
+        total_s = stats.draft_s + stats.verify_s
+        if total_s > 0:
+            tokens = sum(stats.num_accepted) + len(stats.num_accepted)
+            rate = tokens / total_s
+            self.measured_goodput = rate if self.num_steps == 1 else (
+                self.measured_goodput + 0.1 * (rate - self.measured_goodput))
+
+        d = min(stats.depth, self.max_depth)
+        is_tree = stats.num_nodes > stats.depth
+        alt_counts = self._alternate_counts(d, stats.num_nodes, self.acceptance) if is_tree else []
+        ga, ra = self.acceptance_alpha, self.request_alpha
+        for i, (rid, n_acc) in enumerate(zip(stats.request_ids, stats.num_accepted)):
+            ranks = stats.accepted_ranks[i] if (is_tree and stats.accepted_ranks) else None
+            r = self._requests.get(rid)
+            if r is None:
+                r = self._requests[rid] = _RequestAcceptance(
+                    self.global_acceptance(), [0] * self.max_depth)
+            for k in range(min(n_acc + 1, d)):   # position k+1
+                if ranks is not None and k < n_acc and ranks[k] > 0:
+                    spine = 0.0   # an alternate won at this depth: the first choice was rejected
+                    if alt_counts and alt_counts[k] > 0:
+                        self.sibling_acceptance += ga * (1.0 - self.sibling_acceptance)
+                else:
+                    spine = 1.0 if k < n_acc else 0.0
+                    # Stopped here although alternates existed: they all failed. (Without
+                    # ranks an alternate's success counts as the spine's.)
+                    if spine == 0.0 and alt_counts and alt_counts[k] > 0:
+                        self.sibling_acceptance += ga * (0.0 - self.sibling_acceptance)
+                if self._num_seen[k] == 0:   # first data: start from the carried estimate
+                    self.acceptance[k] = self.global_acceptance()[k]
+                self.acceptance[k] += ga * (spine - self.acceptance[k])
+                self._num_seen[k] += 1
+                r.ema[k] += ra * (spine - r.ema[k])
+                r.count[k] += 1
+                if spine == 0.0:
+                    break
+        # Positions the step verified have fresh data; the others drift toward the prior.
+        for k in range(self.max_depth):
+            if k < d:
+                self._steps_since_seen[k] = 0
+            else:
+                self._steps_since_seen[k] += 1
+                self.acceptance[k] += self.stale_decay * (self.prior_acceptance - self.acceptance[k])
+
+    # ---------------------------------------------------------------- metrics
+    def snapshot(self) -> dict:
+        """Plain values for the metrics module (DESIGN.md §6: depth histogram, acceptance per
+        position, goodput estimate)."""
+        return {
+            "mode": self.mode,
+            "depth": self.last_plan.depth,
+            "num_nodes": self.last_plan.num_nodes,
+            "depth_histogram": dict(sorted(self.depth_histogram.items())),
+            "acceptance_per_position": list(self.acceptance),
+            "sibling_acceptance": self.sibling_acceptance,
+            "goodput_estimate": self.goodput_estimate,
+            "expected_tokens_per_pass": self.expected_tokens_per_pass,
+            "measured_goodput": self.measured_goodput,
+            "num_steps": self.num_steps,
+            "num_plan_changes": self.num_plan_changes,
+            "num_probes": self.num_probes,
+            "num_tracked_requests": len(self._requests),
+        }

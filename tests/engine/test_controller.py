@@ -1,0 +1,255 @@
+"""The adaptive controller on synthetic cost models and synthetic acceptance (no torch)."""
+
+import random
+
+import pytest
+
+from specserve.controller import AdaptiveController, CostModel, Plan, StepStats, tree_expected_accepted
+
+
+def flat_verify(batch_size, num_tokens):
+    # Memory-bound: the weights are read once whatever the token count.
+    return 0.020 + 1e-6 * num_tokens
+
+
+def compute_bound_verify(batch_size, num_tokens):
+    # Compute-bound: time proportional to the tokens fed.
+    return 2e-4 * num_tokens
+
+
+def roofline_verify(batch_size, num_tokens):
+    # Flat until 64 tokens, then proportional: small batches are memory-bound, big ones not.
+    return max(0.010, 0.010 * num_tokens / 64)
+
+
+def cheap_draft(batch_size):
+    return 0.001
+
+
+def simulate(ctrl, steps, batch_size, acceptance, verify_fn, draft_fn, rng, ids=None):
+    """Runs `steps` engine steps; acceptance: per-position probability list or a float.
+    Returns the plans chosen."""
+    ids = ids or [f"r{i}" for i in range(batch_size)]
+    plans = []
+    for _ in range(steps):
+        plan = ctrl.plan(batch_size, ids)
+        plans.append(plan)
+        num_accepted = []
+        for _ in ids:
+            n = 0
+            while n < plan.depth:
+                p = acceptance if isinstance(acceptance, float) else acceptance[n]
+                if rng.random() >= p:
+                    break
+                n += 1
+            num_accepted.append(n)
+        tokens = batch_size * (plan.num_nodes + 1)
+        ctrl.observe(StepStats(
+            batch_size=batch_size, depth=plan.depth, num_nodes=plan.num_nodes,
+            draft_s=plan.depth * draft_fn(batch_size), verify_s=verify_fn(batch_size, tokens),
+            num_accepted=num_accepted, request_ids=ids))
+    return plans
+
+
+def true_goodput(depth, batch_size, a, verify_fn, draft_fn):
+    """Tokens/s of a chain plan under the simulator's true costs and constant acceptance a."""
+    expected = 1 + sum(a ** k for k in range(1, depth + 1))
+    cost = depth * draft_fn(batch_size) + verify_fn(batch_size, batch_size * (depth + 1))
+    return batch_size * expected / cost
+
+
+def near_optimal(plan, batch_size, a, verify_fn, draft_fn, max_depth=8):
+    best = max(true_goodput(d, batch_size, a, verify_fn, draft_fn) for d in range(max_depth + 1))
+    return true_goodput(plan.depth, batch_size, a, verify_fn, draft_fn) >= 0.9 * best
+
+
+def calibrated(verify_fn, draft_fn, **kw):
+    ctrl = AdaptiveController(**kw)
+    ctrl.calibrate(verify_fn, draft_fn)
+    return ctrl
+
+
+def test_compute_bound_verify_picks_plain_decode():
+    rng = random.Random(0)
+    ctrl = calibrated(compute_bound_verify, cheap_draft)
+    plans = simulate(ctrl, 300, 8, 0.9, compute_bound_verify, cheap_draft, rng)
+    # Even at 90% acceptance E(d) < d + 1, so any speculation costs more than it brings.
+    assert all(p == Plan(0, 0) for p in plans[-50:] if ctrl.num_probes == 0 or p.depth == 0)
+    assert sum(p.depth == 0 for p in plans[-100:]) >= 98
+    assert ctrl.snapshot()["depth"] in (0, 1, 2)
+
+
+def test_flat_verify_high_acceptance_goes_deep():
+    rng = random.Random(1)
+    ctrl = calibrated(flat_verify, cheap_draft)
+    plans = simulate(ctrl, 300, 4, 0.9, flat_verify, cheap_draft, rng)
+    last = plans[-50:]
+    assert min(p.depth for p in last) >= 6, last
+    assert all(near_optimal(p, 4, 0.9, flat_verify, cheap_draft) for p in last)
+    snap = ctrl.snapshot()
+    assert sum(snap["acceptance_per_position"][:3]) / 3 == pytest.approx(0.9, abs=0.1)
+    assert snap["goodput_estimate"] > 3 * 4 / 0.021   # well above plain decode's ~190 tok/s
+    assert snap["depth_histogram"][plans[-1].depth] > 0
+
+
+def test_acceptance_drop_is_followed_within_bounded_steps():
+    rng = random.Random(2)
+    draft = lambda b: 0.004  # noqa: E731
+    ctrl = calibrated(flat_verify, draft)
+    plans = simulate(ctrl, 200, 4, 0.9, flat_verify, draft, rng)
+    assert plans[-1].depth >= 3 and near_optimal(plans[-1], 4, 0.9, flat_verify, draft)
+    plans = simulate(ctrl, 80, 4, 0.05, flat_verify, draft, rng)
+    # With acceptance 0.05 and a draft step at 20% of a verify pass, plain decode wins;
+    # the controller must get there within 80 steps and stay.
+    first_zero = next(i for i, p in enumerate(plans) if p.depth == 0)
+    assert first_zero < 60, [p.depth for p in plans]
+    assert all(p.depth <= 2 for p in plans[first_zero:])   # probes at most depth 2
+
+
+def test_falls_to_zero_under_load_and_climbs_back():
+    rng = random.Random(3)
+    ctrl = calibrated(roofline_verify, cheap_draft)
+    low = simulate(ctrl, 150, 1, 0.8, roofline_verify, cheap_draft, rng, ids=["a"])
+    assert low[-1].depth >= 3 and near_optimal(low[-1], 1, 0.8, roofline_verify, cheap_draft)
+    ids = [f"h{i}" for i in range(64)]
+    high = simulate(ctrl, 40, 64, 0.8, roofline_verify, cheap_draft, rng, ids=ids)
+    assert high[-1] == Plan(0, 0)
+    # Acceptance was still high when it fell to plain decode: only the cost changed.
+    assert sum(ctrl.acceptance[:3]) / 3 == pytest.approx(0.8, abs=0.1)
+    high = simulate(ctrl, 100, 64, 0.8, roofline_verify, cheap_draft, rng, ids=ids)
+    assert sum(p.depth == 0 for p in high) >= 98
+    back = simulate(ctrl, 150, 1, 0.8, roofline_verify, cheap_draft, rng, ids=["a"])
+    assert back[-1].depth >= 3 and near_optimal(back[-1], 1, 0.8, roofline_verify, cheap_draft)
+
+
+def test_expected_length_matches_chain_formula():
+    ctrl = AdaptiveController(max_depth=3, prior_acceptance=0.5)
+    ctrl.acceptance = [0.8, 0.5, 0.25]
+    ctrl.costs.observe_verify(1, 1, 1.0)
+    ctrl.costs.observe_verify(1, 4, 1.0)
+    ctrl.costs.observe_draft(1, 0.5)
+    scores = ctrl.evaluate(1, ["x"])
+    # E(3) = 1 + 0.8 + 0.8*0.5 + 0.8*0.5*0.25 = 2.3; cost = 3*0.5 + 1.0
+    goodput, tokens = scores[Plan(3, 3)]
+    assert tokens == pytest.approx(2.3)
+    assert goodput == pytest.approx(2.3 / 2.5)
+    assert scores[Plan(0, 0)] == (pytest.approx(1.0), pytest.approx(1.0))
+    assert scores[Plan(1, 1)][1] == pytest.approx(1.8)
+
+
+def test_cost_model_interpolates_and_extrapolates_linearly():
+    cm = CostModel()
+    truth = lambda b, t: 0.01 + 0.001 * t  # noqa: E731
+    for t in (4, 8, 32):
+        cm.observe_verify(4, t, truth(4, t))
+    assert cm.t_verify(4, 16) == pytest.approx(truth(4, 16))
+    assert cm.t_verify(4, 200) == pytest.approx(truth(4, 200))   # beyond the largest bucket
+    # A batch bucket between two measured ones is interpolated in log2 B.
+    for t in (16, 64):
+        cm.observe_verify(16, t, 2 * truth(16, t))
+    v4, v16 = cm.t_verify(4, 32), cm.t_verify(16, 32)
+    assert cm.t_verify(8, 32) == pytest.approx((v4 + v16) / 2)
+    cm.observe_draft(1, 0.001)
+    cm.observe_draft(8, 0.008)
+    assert cm.t_draft(4) == pytest.approx(0.004)
+
+
+def test_cost_model_smooths_noise():
+    rng = random.Random(4)
+    cm = CostModel(alpha=0.1)
+    for _ in range(500):
+        cm.observe_verify(2, 6, 0.05 * (1 + rng.uniform(-0.3, 0.3)))
+    assert cm.t_verify(2, 6) == pytest.approx(0.05, rel=0.12)   # ~3 sigma of the EMA
+
+
+def test_hysteresis_keeps_plan_under_noise():
+    rng = random.Random(5)
+    noisy = lambda b, t: flat_verify(b, t) * (1 + rng.uniform(-0.2, 0.2))  # noqa: E731
+    ctrl = calibrated(flat_verify, cheap_draft, probe_interval=0)
+    simulate(ctrl, 100, 4, 0.7, noisy, cheap_draft, rng)
+    changes_before = ctrl.num_plan_changes
+    plans = simulate(ctrl, 400, 4, 0.7, noisy, cheap_draft, rng)
+    changes = sum(a != b for a, b in zip(plans, plans[1:]))
+    assert changes == ctrl.num_plan_changes - changes_before
+    assert changes <= 8, [p.depth for p in plans]
+
+
+def test_static_mode_is_fixed():
+    rng = random.Random(6)
+    ctrl = calibrated(compute_bound_verify, cheap_draft, mode="static", static_depth=3)
+    plans = simulate(ctrl, 100, 8, 0.1, compute_bound_verify, cheap_draft, rng)
+    assert set(plans) == {Plan(3, 3)}
+    assert ctrl.snapshot()["depth_histogram"] == {3: 100}
+
+
+def test_probes_deeper_when_idle_for_long():
+    rng = random.Random(7)
+    ctrl = calibrated(compute_bound_verify, cheap_draft, probe_interval=50, probe_depth=2)
+    plans = simulate(ctrl, 400, 8, 0.9, compute_bound_verify, cheap_draft, rng)
+    probes = [i for i, p in enumerate(plans) if p.depth > 0]
+    assert ctrl.num_probes >= 5
+    assert len(probes) <= 400 // 50 + 3   # bounded cost: about one step in probe_interval
+    assert all(plans[i].depth <= 2 for i in probes[-3:])
+
+
+def test_unobserved_positions_decay_toward_prior():
+    rng = random.Random(8)
+    ctrl = calibrated(compute_bound_verify, cheap_draft, prior_acceptance=0.5, probe_interval=0)
+    ctrl.acceptance = [0.95] * ctrl.max_depth
+    simulate(ctrl, 1000, 2, 0.9, compute_bound_verify, cheap_draft, rng)
+    assert all(abs(a - 0.5) < 0.1 for a in ctrl.acceptance[1:])
+
+
+def test_per_request_acceptance_and_forget():
+    ctrl = calibrated(flat_verify, cheap_draft, max_depth=4, probe_interval=0)
+    for _ in range(30):
+        ctrl.observe(StepStats(2, 4, 4, 0.004, 0.02, num_accepted=[4, 0], request_ids=["good", "bad"]))
+    good, bad = ctrl.request_acceptance("good"), ctrl.request_acceptance("bad")
+    assert good[0] > 0.9 and bad[0] < 0.2
+    # A new request starts from the global estimate, between the two.
+    new = ctrl.request_acceptance("new")
+    assert bad[0] < new[0] < good[0]
+    scores = ctrl.evaluate(1, ["good"])
+    assert scores[Plan(4, 4)][1] > ctrl.evaluate(1, ["bad"])[Plan(4, 4)][1] + 2
+    ctrl.forget("good")
+    assert ctrl.request_acceptance("good") == new
+    assert ctrl.snapshot()["num_tracked_requests"] == 1
+
+
+def test_tree_budget_used_when_verify_is_flat_and_siblings_help():
+    rng = random.Random(9)
+    ctrl = calibrated(flat_verify, cheap_draft, max_depth=4, max_num_nodes=16,
+                      prior_sibling_acceptance=0.4)
+    plans = simulate(ctrl, 100, 2, [0.6, 0.6, 0.6, 0.6], flat_verify, cheap_draft, rng)
+    assert plans[-1].num_nodes > plans[-1].depth
+    # Compute-bound verify: extra nodes cost their tokens, so no tree.
+    ctrl = calibrated(compute_bound_verify, cheap_draft, max_depth=4, max_num_nodes=16)
+    plans = simulate(ctrl, 100, 2, 0.6, compute_bound_verify, cheap_draft, rng)
+    assert plans[-1] == Plan(0, 0)
+
+
+def test_sibling_acceptance_learned_from_ranks():
+    ctrl = calibrated(flat_verify, cheap_draft, max_depth=2, max_num_nodes=4,
+                      prior_sibling_acceptance=0.25, probe_interval=0)
+    for _ in range(200):
+        # Spine rejected at depth 1, an alternate accepted there: siblings are useful.
+        ctrl.observe(StepStats(1, 2, 4, 0.002, 0.02, num_accepted=[1], request_ids=["t"],
+                               accepted_ranks=[[1]]))
+    assert ctrl.sibling_acceptance > 0.9
+    assert ctrl.acceptance[0] < 0.1
+
+
+def test_tree_expected_accepted():
+    assert tree_expected_accepted([0.5, 0.3, 0.15]) == pytest.approx(1.95)
+    assert tree_expected_accepted([]) == 1.0
+
+
+@pytest.mark.parametrize("kw, word", [
+    ({"mode": "greedy"}, "greedy"),
+    ({"mode": "static", "max_depth": 4, "static_depth": 5}, "5"),
+    ({"max_depth": 4, "max_num_nodes": 2}, "2"),
+    ({"prior_acceptance": 1.5}, "1.5"),
+])
+def test_bad_arguments_name_the_value(kw, word):
+    with pytest.raises(ValueError, match=word):
+        AdaptiveController(**kw)
