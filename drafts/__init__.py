@@ -1,0 +1,1 @@
+"""specserve.drafts: what proposes tokens for the target to verify."""

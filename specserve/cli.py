@@ -1,0 +1,111 @@
+"""`specserve serve | generate`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from specserve.errors import SpecserveError
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config (default: the embedded pair, configs/tiny.toml)")
+    p.add_argument("--target", help="target model directory (overrides [target] path)")
+    p.add_argument("--draft", help="draft model directory, or 'ngram' / 'none' (overrides [draft])")
+    p.add_argument("--draft-kind", choices=["model", "ngram", "none"])
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--spec-mode", choices=["adaptive", "static"])
+    p.add_argument("--spec-depth", type=int)
+    p.add_argument("--spec-tree", choices=["chain", "fixed", "dynamic"])
+    p.add_argument("--num-blocks", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+
+
+def _engine_config(args):
+    from specserve import config as config_mod
+
+    cfg = config_mod.load(args.config) if args.config else config_mod.default()
+    overrides = {
+        "target": args.target, "draft": args.draft, "draft_kind": args.draft_kind, "device": args.device,
+        "dtype": args.dtype, "spec_mode": args.spec_mode, "spec_depth": args.spec_depth,
+        "spec_tree": args.spec_tree, "num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
+    }
+    if args.target and not args.draft and not args.draft_kind and not args.config:
+        overrides["draft_kind"] = "none"
+    if overrides["spec_depth"] is not None and overrides["spec_depth"] > cfg.spec.max_depth:
+        overrides["spec__max_depth"] = overrides["spec_depth"]
+    return config_mod.with_overrides(cfg, **overrides)
+
+
+def cmd_generate(args) -> int:
+    from specserve.llm import LLM
+    from specserve.sampling import SamplingParams
+
+    cfg = _engine_config(args)
+    print(f"target: {cfg.target.path}\ndraft:  {cfg.draft.kind} {cfg.draft.path or ''}", file=sys.stderr)
+    llm = LLM(cfg)
+    prompts = args.prompt or ["def fibonacci(n):"]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, progress=len(prompts) > 1)
+    elapsed = time.perf_counter() - start
+    num_tokens = 0
+    for prompt, out in zip(prompts, outs):
+        num_tokens += len(out.token_ids)
+        print(f"--- {prompt!r} ({len(out.token_ids)} tokens, {out.finish_reason}, "
+              f"{out.stats.mean_tokens_per_pass:.2f} tokens per target pass)")
+        print(prompt + out.text)
+    print(f"--- {num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tokens/s)", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from specserve.server.app import serve
+
+    cfg = _engine_config(args)
+    overrides = {"host": args.host, "port": args.port}
+    from specserve import config as config_mod
+
+    cfg = config_mod.with_overrides(cfg, **overrides)
+    serve(cfg)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specserve", description="speculative-decoding inference service")
+    sub = parser.add_subparsers(dest="command")
+
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (default: the embedded pair)")
+    _add_engine_args(p)
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("generate", help="generate offline and print the text")
+    _add_engine_args(p)
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.set_defaults(func=cmd_generate)
+
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except SpecserveError as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,429 @@
+"""LLMEngine: schedule -> (draft ->) target forward -> accept -> postprocess, once per step.
+AsyncEngine: the same engine on a worker thread, for the asyncio server."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve import config as config_mod
+from specserve.config import EngineConfig
+from specserve.detokenizer import IncrementalDetokenizer
+from specserve.errors import InvalidRequestError, ModelLoadError
+from specserve.kv_pool import KVPool, blocks_needed
+from specserve.model.loader import load_eos_token_ids, load_model, load_tokenizer
+from specserve.request import Request, RequestStats
+from specserve.runner import ForwardInput, ModelRunner, slots_for
+from specserve.sampling import SamplingParams, SamplingTensors, make_generator, sample
+from specserve.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger("specserve")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every generated token so far
+    text: str  # every generated character so far (stop strings cut)
+    new_token_ids: list[int]  # since the previous output of this request
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    stats: RequestStats = field(repr=False, default_factory=RequestStats)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise config_mod.ConfigError("device = 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def _dtype(name: str):
+    return "auto" if name == "auto" else _DTYPES[name]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True):
+        self.config = config
+        self.device = _resolve_device(config.device)
+        torch.manual_seed(config.seed)
+        target, self.target_args = load_model(
+            config.target.path, dtype=_dtype(config.target.dtype), device=self.device, progress=progress
+        )
+        self.tokenizer = load_tokenizer(config.target.path)
+        self.eos_token_ids = load_eos_token_ids(config.target.path)
+        self.max_model_len = min(
+            config.target.max_model_len or self.target_args.max_position_embeddings,
+            self.target_args.max_position_embeddings,
+        )
+
+        draft_model = draft_args = None
+        if config.draft.kind == "model":
+            draft_model, draft_args = load_model(
+                config.draft.path, dtype=_dtype(config.draft.dtype), device=self.device, progress=progress
+            )
+            if draft_args.vocab_size != self.target_args.vocab_size:
+                raise ModelLoadError(
+                    f"draft {config.draft.path} has vocab_size {draft_args.vocab_size} but target "
+                    f"{config.target.path} has {self.target_args.vocab_size}: the pair must share one tokenizer"
+                )
+            self._check_same_tokenizer(config.draft.path)
+            self.max_model_len = min(self.max_model_len, draft_args.max_position_embeddings)
+
+        # One pool: every block holds `block_size` positions of BOTH models' KV.
+        block_size = config.cache.block_size
+        bytes_per_block = self.target_args.kv_bytes_per_block(block_size, target.dtype)
+        if draft_model is not None:
+            bytes_per_block += draft_args.kv_bytes_per_block(block_size, draft_model.dtype)
+        num_blocks = config.cache.num_blocks or self._size_pool(bytes_per_block)
+        self.pool = KVPool(num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching)
+        self.target = ModelRunner(target, self.target_args, num_blocks, block_size, self.device)
+        self.draft = ModelRunner(draft_model, draft_args, num_blocks, block_size, self.device) if draft_model else None
+        self.pool_bytes = num_blocks * bytes_per_block
+        self.scheduler = Scheduler(config.scheduler, self.pool, self.max_model_len, has_draft_kv=self.draft is not None)
+
+        from specserve.spec import make_speculator  # the speculative half of the step
+
+        self.spec = make_speculator(config, self)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._aborted: list[Request] = []
+        logger.info(
+            "pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes per block)",
+            num_blocks, block_size, num_blocks * block_size, self.pool_bytes / 2**20, bytes_per_block,
+        )
+
+    def _size_pool(self, bytes_per_block: int) -> int:
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.cache.memory_fraction)
+        else:
+            budget = self.config.cache.kv_cache_bytes
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 2:
+            raise config_mod.ConfigError(
+                f"cache: {budget} bytes hold only {num_blocks} blocks of {bytes_per_block} bytes; "
+                f"raise cache.kv_cache_bytes (or memory_fraction on CUDA)"
+            )
+        return num_blocks
+
+    def _check_same_tokenizer(self, draft_path: str) -> None:
+        try:
+            draft_tok = load_tokenizer(draft_path)
+        except ModelLoadError:
+            return  # a draft without its own tokenizer files uses the target's
+        probe = "def f(x):\n    return x  # ünïcode 你好 🙂"
+        if draft_tok.encode(probe) != self.tokenizer.encode(probe):
+            raise ModelLoadError(
+                f"draft {draft_path} tokenizes text differently from target {self.config.target.path}: "
+                "a draft model must share the target's tokenizer"
+            )
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Request:
+        params = params or SamplingParams()
+        params.validate()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = list(prompt)
+            vocab = self.target_args.vocab_size
+            bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
+        if not prompt_ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request asks for "
+                f"{total} ({len(prompt_ids)} in the prompt, {params.max_tokens} to generate)",
+                param="max_tokens" if len(prompt_ids) < self.max_model_len else "prompt",
+            )
+        if blocks_needed(total, self.pool.block_size) > self.pool.num_blocks:
+            raise InvalidRequestError(
+                f"the request needs {total} tokens of KV cache but the whole pool holds "
+                f"{self.pool.num_blocks * self.pool.block_size}",
+                param="max_tokens",
+            )
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_waiting_requests:
+            raise QueueFullError(
+                f"{len(self.scheduler.waiting)} requests are waiting (scheduler.max_waiting_requests); try again later"
+            )
+        req = Request(
+            request_id,
+            prompt_ids,
+            params,
+            self.eos_token_ids,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop),
+            generator=make_generator(params.seed) if params.seed is not None else None,
+        )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.is_finished:
+            self.scheduler.finish(req, "abort")
+            self.spec.forget(req)
+            self._aborted.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.spec.plan(self.scheduler)
+        batch = self.scheduler.schedule(plan.num_nodes)
+        new_tokens = self.spec.run(batch, plan) if plan.num_nodes else self._decode(batch)
+        return self._postprocess(batch, new_tokens)
+
+    def _decode(self, batch: SchedulerOutput) -> dict[str, list[int]]:
+        """Plain step: one target forward over every scheduled row; a token for each sequence
+        whose rows reach its end. Draft KV is kept in step for prefills (see spec.py)."""
+        if batch.is_empty:
+            return {}
+        inp = ForwardInput()
+        decoding = []
+        for s in batch.seqs:
+            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            inp.add(
+                req.token_ids[start : start + n],
+                list(range(start, start + n)),
+                slots_for(req.block_table, self.pool.block_size, start, n),
+                req.block_table,
+                start + n,
+                logit_rows=[n - 1] if s.is_decode else [],
+            )
+            if s.is_decode:
+                decoding.append(req)
+        self.spec.prefill_draft(batch)
+        logits = self.target.forward(inp)
+        if logits is None:
+            return {}
+        tokens = self.sample(logits, decoding)
+        return {req.request_id: [t] for req, t in zip(decoding, tokens)}
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        tensors = SamplingTensors.from_params([r.params for r in requests], logits.device)
+        tokens = sample(logits, tensors.temperature, tensors.top_k, tensors.top_p, [r.generator for r in requests])
+        return tokens.tolist()  # the step's one device -> host sync
+
+    def _postprocess(self, batch: SchedulerOutput, new_tokens: dict[str, list[int]]) -> list[RequestOutput]:
+        outputs = [self._output(req) for req in self._aborted]
+        self._aborted.clear()
+        now = time.monotonic()
+        for s in batch.seqs:
+            req = s.request
+            toks = new_tokens.get(req.request_id)
+            if toks is None:  # a prefill chunk that did not reach the end of the prompt
+                req.num_computed_tokens += s.num_new_tokens
+                self.scheduler.postprocess(req)
+                continue
+            # The verify pass computed the pending token and every accepted node: all but the
+            # last new token (the bonus, or the one sampled token) now have target KV.
+            req.num_computed_tokens += s.num_new_tokens + len(toks) - 1
+            req.stats.num_target_passes += 1
+            if req.stats.first_token_time is None:
+                req.stats.first_token_time = now
+            reason = self._append(req, toks)
+            if reason is None:
+                self.scheduler.postprocess(req)
+            else:
+                self.scheduler.finish(req, reason)
+                self.spec.forget(req)
+                self.requests.pop(req.request_id, None)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _append(self, req: Request, toks: list[int]) -> str | None:
+        """Append the step's tokens, cutting exactly where the target alone would have stopped."""
+        params, reason = req.params, None
+        kept = 0
+        for tok in toks:
+            req.token_ids.append(tok)
+            kept += 1
+            n_out = req.num_output_tokens
+            if tok in req.stop_token_ids or (
+                tok in req.eos_token_ids and not params.ignore_eos and n_out >= params.min_tokens
+            ):
+                reason = "stop"
+            elif n_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
+                reason = "length"
+            if reason:
+                break
+        delta, stop_index = req.detokenizer.append(toks[:kept])
+        if stop_index is not None:
+            drop = kept - 1 - stop_index  # tokens after the one that completed the stop string
+            if drop:
+                del req.token_ids[-drop:]
+            reason = "stop"
+        elif reason is not None:
+            delta += req.detokenizer.flush()
+        req.new_text += delta
+        return reason
+
+    def _output(self, req: Request) -> RequestOutput:
+        new_ids = req.token_ids[req.num_prompt_tokens + req.num_reported_tokens :]
+        req.num_reported_tokens = req.num_output_tokens
+        new_text, req.new_text = req.new_text, ""
+        req.text += new_text
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=req.output_token_ids,
+            text=req.text,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            stats=req.stats,
+        )
+
+
+class QueueFullError(InvalidRequestError):
+    """The waiting queue is full (HTTP 429)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died; the server reports 503."""
+
+
+class AsyncEngine:
+    """The engine on a worker thread: steps run off the event loop, so streaming, health
+    and metrics stay responsive while a step computes. Requests enter and leave through a
+    thread-safe command queue drained between steps."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.step_callbacks: list = []  # called on the worker thread after each step: f(engine, outputs, step_s)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 10.0)
+
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request. Leaving the iterator early (a client disconnect)
+        aborts the request, and its blocks return to the pool."""
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running: {self.error!r}")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        done = threading.Event()
+        result: list = []
+        self._commands.put(("add", (request_id, prompt, params), done, result))
+        self._wake.set()
+        await asyncio.to_thread(done.wait)
+        if result and isinstance(result[0], BaseException):
+            self._streams.pop(request_id, None)
+            raise result[0]
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id, None, None))
+        self._wake.set()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, arg, done, result = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.engine.add_request(*arg)
+                except Exception as e:  # a bad request never harms the others
+                    result.append(e)
+                done.set()
+            elif kind == "abort":
+                self.engine.abort_request(arg)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests() and not self.engine._aborted:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                start = time.perf_counter()
+                outputs = self.engine.step()
+                elapsed = time.perf_counter() - start
+                for cb in self.step_callbacks:
+                    cb(self.engine, outputs, elapsed)
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+        except BaseException as e:  # the engine is dead: every stream learns it
+            logger.exception("engine loop died")
+            self.error = e
+            self._loop.call_soon_threadsafe(self._fail_all, e)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(EngineDeadError(f"the engine stopped: {error!r}"))

@@ -1,0 +1,124 @@
+"""ModelRunner: one model, its KV tensors in the shared pool, and one flattened forward.
+
+The engine and the drafters describe a forward as plain Python lists (`ForwardInput`);
+the runner turns them into tensors once, runs the model and returns the logits of the
+rows asked for. Target and draft each have a runner; both index the pool by the same
+block ids.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.model.attention import AttentionMetadata
+
+
+@dataclass
+class ForwardInput:
+    """Rows of one forward, sequence after sequence. Built by appending with `add`."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)  # rows whose logits are returned, in order
+    # Per sequence: its [q_len, q_len] visibility among its own rows, or None = causal.
+    masks: list[list[list[bool]] | None] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.input_ids)
+
+    def add(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        block_table: list[int],
+        seq_len: int,
+        logit_rows: list[int] = (),
+        mask: list[list[bool]] | None = None,
+    ) -> int:
+        """Add one sequence's rows; `logit_rows` are local row indices. Returns its first row."""
+        first = len(self.input_ids)
+        self.input_ids.extend(token_ids)
+        self.positions.extend(positions)
+        self.slot_mapping.extend(slots)
+        self.block_tables.append(block_table)
+        self.query_lens.append(len(token_ids))
+        self.seq_lens.append(seq_len)
+        self.logit_rows.extend(first + r for r in logit_rows)
+        self.masks.append(mask)
+        return first
+
+
+def slots_for(block_table: list[int], block_size: int, start: int, count: int) -> list[int]:
+    """Pool slots of positions [start, start + count) of a sequence."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in range(start, start + count)]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, args, num_blocks: int, block_size: int, device: torch.device):
+        self.model = model
+        self.args = args
+        self.device = device
+        self.block_size = block_size
+        self.kv_caches = model.make_kv_caches(num_blocks, block_size, device=device)
+        self.last_forward_s = 0.0
+
+    @property
+    def cache_tensors(self) -> list[torch.Tensor]:
+        return [t for pair in self.kv_caches for t in pair]
+
+    def build_metadata(self, inp: ForwardInput) -> AttentionMetadata:
+        dev = self.device
+        max_blocks = max(len(bt) for bt in inp.block_tables)
+        block_tables = torch.zeros(len(inp.block_tables), max_blocks, dtype=torch.int32)
+        for i, bt in enumerate(inp.block_tables):
+            if bt:
+                block_tables[i, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
+        cu = [0]
+        for q in inp.query_lens:
+            cu.append(cu[-1] + q)
+        max_q = max(inp.query_lens)
+        custom_mask = None
+        if any(m is not None for m in inp.masks):
+            custom_mask = torch.zeros(inp.num_rows, max_q, dtype=torch.bool)
+            for i, m in enumerate(inp.masks):
+                q = inp.query_lens[i]
+                if m is None:
+                    custom_mask[cu[i] : cu[i + 1], :q] = torch.ones(q, q, dtype=torch.bool).tril()
+                else:
+                    custom_mask[cu[i] : cu[i + 1], :q] = torch.tensor(m, dtype=torch.bool)
+            custom_mask = custom_mask.to(dev)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(inp.slot_mapping, dtype=torch.int64, device=dev),
+            block_tables=block_tables.to(dev),
+            cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(inp.seq_lens, dtype=torch.int32, device=dev),
+            max_query_len=max_q,
+            max_seq_len=max(inp.seq_lens),
+            custom_mask=custom_mask,
+        )
+
+    @torch.inference_mode()
+    def forward(self, inp: ForwardInput) -> torch.Tensor | None:
+        """Run the rows of `inp`; returns logits of `inp.logit_rows`: [len(logit_rows), vocab]
+        (None when no row asks for logits: a prefill chunk only writes KV)."""
+        start = time.perf_counter()
+        meta = self.build_metadata(inp)
+        input_ids = torch.tensor(inp.input_ids, dtype=torch.int64, device=self.device)
+        positions = torch.tensor(inp.positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not inp.logit_rows:
+            self.last_forward_s = time.perf_counter() - start
+            return None
+        rows = torch.tensor(inp.logit_rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        self.last_forward_s = time.perf_counter() - start
+        return logits

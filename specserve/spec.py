@@ -1,0 +1,302 @@
+"""One speculative step: propose -> verify (ONE target forward) -> accept -> compact.
+
+Verify rows of a speculating sequence: its pending token, then its tree's nodes in BFS
+order. The pending token sits at position T - 1 (T = tokens so far), node k at RoPE
+position T - 1 + depth(k) and scratch slot of position T + k; each node sees the whole
+committed prefix, the pending token, its ancestors and itself. Prefill chunks and
+sequences that do not speculate ride in the same forward with their causal rows.
+
+Acceptance is the tree-verification kernel (kernels/tree_accept.py), exactly DESIGN.md §5:
+greedy follows the target's argmax; sampled requests use multi-round speculative sampling
+(Leviathan et al. 2023; Miao et al. 2023, SpecInfer), so the output follows the target's
+distribution. Accepted nodes off the chain are compacted to positions T..T+a-1 (target KV;
+the draft re-reads accepted branch tokens in its next catch-up, see drafts/model.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.config import EngineConfig
+from specserve.drafts.base import TreeShape
+from specserve.kernels import ops
+from specserve.request import Request
+from specserve.runner import ForwardInput, slots_for
+from specserve.sampling import SamplingTensors, target_probs
+from specserve.scheduler import Scheduler, SchedulerOutput, ScheduledSeq
+from specserve.tree import DraftTree, fixed_tree_size
+
+
+@dataclass
+class Plan:
+    depth: int = 0  # tree levels; 0 = plain decode
+    num_nodes: int = 0  # tree nodes per sequence (root excluded)
+
+
+@dataclass
+class SpecTotals:
+    """Engine-wide speculative counters (exported as metrics)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    num_verify_passes: int = 0  # target passes that verified at least one tree
+    num_emitted_tokens: int = 0  # tokens produced by those passes (accepted + bonus)
+    last_depth: int = 0
+
+    def add_position(self, pos: int) -> None:
+        while len(self.accepted_per_position) <= pos:
+            self.accepted_per_position.append(0)
+        self.accepted_per_position[pos] += 1
+
+    @property
+    def mean_tokens_per_pass(self) -> float:
+        return self.num_emitted_tokens / self.num_verify_passes if self.num_verify_passes else 1.0
+
+
+class NoSpeculation:
+    """[draft] kind = "none": every step is a plain decode step."""
+
+    drafter = None
+    controller = None
+
+    def __init__(self):
+        self.totals = SpecTotals()
+
+    def plan(self, scheduler: Scheduler) -> Plan:
+        return Plan()
+
+    def prefill_draft(self, batch: SchedulerOutput) -> None:
+        pass
+
+    def forget(self, request: Request) -> None:
+        pass
+
+
+def _is_prefill(s: ScheduledSeq) -> bool:
+    return s.num_new_tokens > 1 or not s.is_decode
+
+
+class Speculator:
+    def __init__(self, config: EngineConfig, engine, drafter, controller):
+        self.config = config
+        self.engine = engine
+        self.drafter = drafter
+        self.controller = controller
+        self.totals = SpecTotals()
+        spec = config.spec
+        self.tree_kind = spec.tree if drafter.has_kv else "chain"
+
+    # -- the plan ------------------------------------------------------------------------
+
+    def shape(self, depth: int) -> TreeShape:
+        spec = self.config.spec
+        return TreeShape(kind=self.tree_kind, depth=depth, branching=tuple(spec.branching), topk=spec.topk)
+
+    def num_nodes(self, depth: int) -> int:
+        spec = self.config.spec
+        if depth == 0:
+            return 0
+        if self.tree_kind == "fixed":
+            return fixed_tree_size(spec.branching, depth)
+        if self.tree_kind == "dynamic":
+            return spec.num_nodes
+        return depth
+
+    def plan(self, scheduler: Scheduler) -> Plan:
+        if self.controller is not None:
+            running = scheduler.running
+            depth = self.controller.plan(max(1, len(running)), [r.request_id for r in running]).depth
+        else:
+            depth = self.config.spec.depth
+        if self.tree_kind == "fixed":
+            depth = min(depth, len(self.config.spec.branching))
+        self.totals.last_depth = depth
+        return Plan(depth, self.num_nodes(depth))
+
+    def prefill_draft(self, batch: SchedulerOutput) -> None:
+        if self.drafter.has_kv:
+            self.drafter.prefill([s for s in batch.seqs if _is_prefill(s)])
+
+    def forget(self, request: Request) -> None:
+        self.drafter.forget(request)
+        if self.controller is not None:
+            self.controller.forget(request.request_id)
+
+    # -- one step ------------------------------------------------------------------------
+
+    def run(self, batch: SchedulerOutput, plan: Plan) -> dict[str, list[int]]:
+        if batch.is_empty:
+            return {}
+        engine = self.engine
+        block_size = engine.pool.block_size
+        t0 = time.perf_counter()
+        spec_seqs = [s for s in batch.seqs if s.num_spec_nodes > 0]
+        prefills = [s for s in batch.seqs if _is_prefill(s)]
+        trees = self.drafter.propose(spec_seqs, self.shape(plan.depth), prefills)
+        tree_of = {s.request.request_id: t for s, t in zip(spec_seqs, trees) if t.num_nodes > 0}
+        t1 = time.perf_counter()
+
+        inp = ForwardInput()
+        plain, verified = [], []  # requests sampled normally; (seq, tree, first logit row)
+        for s in batch.seqs:
+            req, start = s.request, s.request.num_computed_tokens
+            tree = tree_of.get(req.request_id)
+            if tree is None:
+                n = s.num_new_tokens
+                inp.add(
+                    req.token_ids[start : start + n],
+                    list(range(start, start + n)),
+                    slots_for(req.block_table, block_size, start, n),
+                    req.block_table,
+                    start + n,
+                    logit_rows=[n - 1] if s.is_decode else [],
+                )
+                if s.is_decode:
+                    plain.append(req)
+                continue
+            n = tree.num_nodes
+            verified.append((s, tree, len(inp.logit_rows)))
+            inp.add(
+                [req.token_ids[start]] + tree.tokens,
+                [start] + [start + d for d in tree.depths],
+                slots_for(req.block_table, block_size, start, n + 1),
+                req.block_table,
+                start + n + 1,
+                logit_rows=list(range(n + 1)),
+                mask=None if tree.is_chain else tree.verify_mask(),
+            )
+        logits = engine.target.forward(inp)
+        new_tokens: dict[str, list[int]] = {}
+        if plain:
+            tokens = engine.sample(logits[self._plain_rows(inp, verified)], plain)
+            new_tokens.update({r.request_id: [t] for r, t in zip(plain, tokens)})
+        if verified:
+            new_tokens.update(self._accept(logits, verified))
+        t2 = time.perf_counter()
+        if self.controller is not None:
+            self.controller.observe_step(
+                batch_size=len(batch.seqs), depth=plan.depth, num_nodes=plan.num_nodes,
+                draft_s=t1 - t0, verify_s=t2 - t1,
+                num_accepted=[len(new_tokens[s.request.request_id]) - 1 for s, _, _ in verified],
+                request_ids=[s.request.request_id for s, _, _ in verified],
+            )
+        return new_tokens
+
+    @staticmethod
+    def _plain_rows(inp: ForwardInput, verified) -> torch.Tensor:
+        """Logit rows (indices into the returned logits) of the plainly sampled requests."""
+        taken = set()
+        for _, tree, first in verified:
+            taken.update(range(first, first + tree.num_nodes + 1))
+        return torch.tensor([i for i in range(len(inp.logit_rows)) if i not in taken], dtype=torch.long)
+
+    def _accept(self, logits: torch.Tensor, verified) -> dict[str, list[int]]:
+        engine = self.engine
+        num_seqs = len(verified)
+        max_nodes = max(tree.num_nodes for _, tree, _ in verified)
+        vocab = logits.shape[1]
+        dev = logits.device
+        requests = [s.request for s, _, _ in verified]
+        # Gather every verified row once: [B, N + 1, V], padding rows repeat the root row.
+        row_index = torch.zeros(num_seqs, max_nodes + 1, dtype=torch.long)
+        for i, (_, tree, first) in enumerate(verified):
+            row_index[i, : tree.num_nodes + 1] = torch.arange(first, first + tree.num_nodes + 1)
+            row_index[i, tree.num_nodes + 1 :] = first
+        rows = logits[row_index.to(dev).flatten()]  # [B * (N + 1), V]
+        target_argmax = rows.argmax(dim=-1).view(num_seqs, max_nodes + 1)
+        tensors = SamplingTensors.from_params([r.params for r in requests], dev)
+        per_row = lambda t: t.repeat_interleave(max_nodes + 1)  # noqa: E731
+        probs = target_probs(rows, per_row(tensors.temperature), per_row(tensors.top_k), per_row(tensors.top_p))
+        probs = probs.float().view(num_seqs, max_nodes + 1, vocab)
+
+        tokens = torch.zeros(num_seqs, max_nodes, dtype=torch.long)
+        parents = torch.full((num_seqs, max_nodes), -1, dtype=torch.int32)
+        is_sampled = torch.zeros(num_seqs, max_nodes, dtype=torch.bool)
+        draft_probs = torch.zeros(num_seqs, max_nodes, vocab, dtype=torch.float32, device=dev)
+        num_nodes = torch.tensor([t.num_nodes for _, t, _ in verified], dtype=torch.int32)
+        is_greedy = torch.tensor([r.params.is_greedy for r in requests], dtype=torch.bool)
+        uniforms = torch.empty(num_seqs, max_nodes + 1, dtype=torch.float32)
+        for i, (s, tree, _) in enumerate(verified):
+            n = tree.num_nodes
+            tokens[i, :n] = torch.tensor(tree.tokens)
+            parents[i, :n] = torch.tensor(tree.parents, dtype=torch.int32)
+            is_sampled[i, :n] = torch.tensor(tree.is_sampled)
+            if tree.draft_probs is not None:
+                draft_probs[i, :n] = tree.draft_probs.float()
+            gen = s.request.generator
+            if gen is not None:
+                uniforms[i] = torch.rand(max_nodes + 1, generator=gen, device=gen.device).cpu()
+            else:
+                uniforms[i] = torch.rand(max_nodes + 1)
+        accepted, num_accepted, bonus = ops.tree_accept(
+            probs, target_argmax, draft_probs, tokens.to(dev), parents.to(dev), is_sampled.to(dev),
+            num_nodes.to(dev), is_greedy.to(dev), uniforms.to(dev),
+        )
+        accepted, num_accepted, bonus = accepted.tolist(), num_accepted.tolist(), bonus.tolist()
+
+        out: dict[str, list[int]] = {}
+        src, dst = [], []
+        block_size = engine.pool.block_size
+        for i, (s, tree, _) in enumerate(verified):
+            req = s.request
+            base = req.num_tokens  # scratch slot of node k: position base + k
+            a = num_accepted[i]
+            path = accepted[i][:a]
+            for depth, node in enumerate(path):
+                if node != depth:  # off the chain: move its KV to position base + depth
+                    src += slots_for(req.block_table, block_size, base + node, 1)
+                    dst += slots_for(req.block_table, block_size, base + depth, 1)
+            # The engine advances num_computed_tokens past the pending token and these a nodes.
+            out[req.request_id] = [tree.tokens[k] for k in path] + [bonus[i]]
+            if self.drafter.has_kv:
+                fed = tree.num_nodes - 1 if tree.is_chain else 0  # chain nodes fed to the draft
+                req.num_draft_computed_tokens = base + min(a, fed)
+            self._count(req, tree.num_nodes, a)
+        if src:
+            ops.copy_slots(
+                engine.target.cache_tensors,
+                torch.tensor(src, dtype=torch.long, device=dev),
+                torch.tensor(dst, dtype=torch.long, device=dev),
+            )
+        return out
+
+    def _count(self, req: Request, num_nodes: int, num_accepted: int) -> None:
+        stats, totals = req.stats, self.totals
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_nodes
+        stats.num_accepted_tokens += num_accepted
+        while len(stats.accepted_per_position) < num_accepted:
+            stats.accepted_per_position.append(0)
+        for pos in range(num_accepted):
+            stats.accepted_per_position[pos] += 1
+            totals.add_position(pos)
+        totals.num_drafts += 1
+        totals.num_draft_tokens += num_nodes
+        totals.num_accepted_tokens += num_accepted
+        totals.num_verify_passes += 1
+        totals.num_emitted_tokens += num_accepted + 1
+
+
+def make_speculator(config: EngineConfig, engine):
+    kind = config.draft.kind
+    if kind == "none":
+        return NoSpeculation()
+    if kind == "ngram":
+        from specserve.drafts.ngram import NgramDrafter
+
+        drafter = NgramDrafter(config.draft.ngram_min, config.draft.ngram_max)
+    else:
+        from specserve.drafts.model import ModelDrafter
+
+        drafter = ModelDrafter(engine.draft)
+    controller = None
+    if config.spec.mode == "adaptive":
+        from specserve.controller import make_controller
+
+        controller = make_controller(config, engine)
+    return Speculator(config, engine, drafter, controller)
