@@ -56,7 +56,8 @@ while ``E < n + 1``, so every ``d > 0`` loses to plain decode and the controller
 
 **Exploration.** A position never observed takes the estimate of the position above it.
 Positions deeper than the steps actually verified get no fresh data: their global estimate
-decays slowly toward ``prior_acceptance``. After ``probe_interval`` steps
+decays slowly toward the estimate of the position above it (position 1: toward
+``prior_acceptance``), and a request's own stale positions lose weight toward the global. After ``probe_interval`` steps
 without data for the position just below the current depth, one step is run one level deeper
 (from ``d = 0``: depth ``probe_depth``), so the estimates cannot go stale; at most one probe
 per interval, so the cost is bounded by ``1 / probe_interval`` of a step.
@@ -226,10 +227,11 @@ class AdaptiveController:
         prior_acceptance: float = 0.6,
         prior_sibling_acceptance: float = 0.25,
         acceptance_alpha: float = 0.05,
-        request_alpha: float = 0.2,
+        request_alpha: float = 0.1,
         request_shrinkage: float = 4.0,
         cost_alpha: float = 0.1,
-        stale_decay: float = 0.002,
+        stale_decay: float = 0.005,
+        request_stale_decay: float = 0.02,
         switch_margin: float = 0.03,
         switch_patience: int = 20,
         probe_interval: int = 200,
@@ -272,6 +274,7 @@ class AdaptiveController:
         self.request_alpha = request_alpha
         self.request_shrinkage = request_shrinkage
         self.stale_decay = stale_decay
+        self.request_stale_decay = request_stale_decay
         self.switch_margin = switch_margin
         self.switch_patience = switch_patience
         self.probe_interval = probe_interval
@@ -518,13 +521,19 @@ class AdaptiveController:
                 r.count[k] += 1
                 if spine == 0.0:
                     break
-        # Positions the step verified have fresh data; the others drift toward the prior.
+            # A request's positions without fresh data lose weight, back toward the global.
+            for k in range(min(n_acc + 1, d), self.max_depth):
+                r.count[k] *= 1.0 - self.request_stale_decay
+        # Positions the step verified have fresh data; the others drift toward the position
+        # above (position 1: toward the prior), so a stale low estimate recovers slowly and
+        # the plan reaches that depth again to re-measure it.
         for k in range(self.max_depth):
             if k < d:
                 self._steps_since_seen[k] = 0
             else:
                 self._steps_since_seen[k] += 1
-                self.acceptance[k] += self.stale_decay * (self.prior_acceptance - self.acceptance[k])
+                target = self.prior_acceptance if k == 0 else self.acceptance[k - 1]
+                self.acceptance[k] += self.stale_decay * (target - self.acceptance[k])
 
     # ---------------------------------------------------------------- metrics
     def snapshot(self) -> dict:

@@ -196,8 +196,13 @@ def test_unobserved_positions_decay_toward_prior():
     rng = random.Random(8)
     ctrl = calibrated(compute_bound_verify, cheap_draft, prior_acceptance=0.5, probe_interval=0)
     ctrl.acceptance = [0.95] * ctrl.max_depth
-    simulate(ctrl, 1000, 2, 0.9, compute_bound_verify, cheap_draft, rng)
-    assert all(abs(a - 0.5) < 0.1 for a in ctrl.acceptance[1:])
+    simulate(ctrl, 200, 2, 0.9, compute_bound_verify, cheap_draft, rng)
+    # Stale estimates drift down the chain: position 1 toward the prior, each deeper one
+    # toward the one above it, so they are still ordered and not yet at the prior.
+    mid = list(ctrl.acceptance)
+    assert mid[0] < mid[-1] and mid[-1] > 0.8
+    simulate(ctrl, 4000, 2, 0.9, compute_bound_verify, cheap_draft, rng)
+    assert all(abs(a - 0.5) < 0.05 for a in ctrl.acceptance), ctrl.acceptance
 
 
 def test_per_request_acceptance_and_forget():
