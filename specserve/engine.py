@@ -24,6 +24,7 @@ from specserve.request import Request, RequestStats
 from specserve.runner import ForwardInput, ModelRunner, slots_for
 from specserve.sampling import SamplingParams, SamplingTensors, make_generator, sample
 from specserve.scheduler import Scheduler, SchedulerOutput
+from specserve.spec import Plan, make_speculator
 
 logger = logging.getLogger("specserve")
 
@@ -95,9 +96,8 @@ class LLMEngine:
         self.pool_bytes = num_blocks * bytes_per_block
         self.scheduler = Scheduler(config.scheduler, self.pool, self.max_model_len, has_draft_kv=self.draft is not None)
 
-        from specserve.spec import make_speculator  # the speculative half of the step
-
         self.spec = make_speculator(config, self)
+        self.spec.calibrate(config.scheduler.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._aborted: list[Request] = []
@@ -219,10 +219,12 @@ class LLMEngine:
             if s.is_decode:
                 decoding.append(req)
         self.spec.prefill_draft(batch)
+        start = time.perf_counter()
         logits = self.target.forward(inp)
         if logits is None:
             return {}
         tokens = self.sample(logits, decoding)
+        self.spec.observe(batch, Plan(), 0.0, time.perf_counter() - start, [], [])
         return {req.request_id: [t] for req, t in zip(decoding, tokens)}
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:

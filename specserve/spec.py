@@ -76,6 +76,12 @@ class NoSpeculation:
     def forget(self, request: Request) -> None:
         pass
 
+    def observe(self, *args) -> None:
+        pass
+
+    def calibrate(self, *args, **kwargs) -> None:
+        pass
+
 
 def _is_prefill(s: ScheduledSeq) -> bool:
     return s.num_new_tokens > 1 or not s.is_decode
@@ -108,15 +114,75 @@ class Speculator:
         return depth
 
     def plan(self, scheduler: Scheduler) -> Plan:
+        num_nodes = None
         if self.controller is not None:
             running = scheduler.running
-            depth = self.controller.plan(max(1, len(running)), [r.request_id for r in running]).depth
+            chosen = self.controller.plan(max(1, len(running)), [r.request_id for r in running])
+            depth = chosen.depth
+            if self.tree_kind == "dynamic" and depth:
+                num_nodes = max(depth, chosen.num_nodes)
         else:
             depth = self.config.spec.depth
         if self.tree_kind == "fixed":
             depth = min(depth, len(self.config.spec.branching))
         self.totals.last_depth = depth
-        return Plan(depth, self.num_nodes(depth))
+        return Plan(depth, self.num_nodes(depth) if num_nodes is None else num_nodes)
+
+    def calibrate(self, max_batch_size: int, context: int = 32) -> None:
+        """Warm-start the controller's cost tables with dummy forwards (DESIGN.md §6): one
+        verify pass per (batch size, nodes per sequence) and one draft step per batch size.
+        The pool is empty at start-up, so the dummy sequences share its first blocks."""
+        if self.controller is None:
+            return
+        engine = self.engine
+        block_size = engine.pool.block_size
+        max_nodes = self.controller.max_num_nodes
+        blocks = list(range(min(engine.pool.num_blocks, -(-(context + max_nodes + 1) // block_size))))
+        context = min(context, len(blocks) * block_size - max_nodes - 1)
+        if context < 1:
+            return
+
+        def run(runner, batch_size: int, rows_per_seq: int) -> float:
+            inp = ForwardInput()
+            for _ in range(batch_size):
+                inp.add([0] * rows_per_seq, list(range(context, context + rows_per_seq)),
+                        slots_for(blocks, block_size, context, rows_per_seq), blocks,
+                        context + rows_per_seq, logit_rows=list(range(rows_per_seq)))
+            best = float("inf")
+            for _ in range(3):  # the first run warms up; keep the fastest
+                start = time.perf_counter()
+                logits = runner.forward(inp)
+                logits[-1, 0].item()  # wait for the device
+                best = min(best, time.perf_counter() - start)
+            return best
+
+        sizes = [b for b in (1, 4, 16, 64) if b <= max_batch_size]  # between them: interpolated
+        nodes = sorted({0, 1, min(3, max_nodes), max_nodes})
+        measure_draft = (lambda b: run(engine.draft, b, 1)) if self.drafter.has_kv else (lambda b: 1e-5)
+        self.controller.calibrate(
+            lambda b, num_tokens: run(engine.target, b, num_tokens // b), measure_draft,
+            batch_sizes=sizes, nodes_per_seq=nodes,
+        )
+
+    def observe(self, batch: SchedulerOutput, plan: Plan, draft_s: float, verify_s: float,
+                num_accepted: list[int], request_ids: list[str]) -> None:
+        """Feed the controller one step's timings and acceptance. Steps that also prefill
+        would skew the decode cost model, so their timings are left out."""
+        if self.controller is None:
+            return
+        from specserve.controller import StepStats
+
+        decoding = [s for s in batch.seqs if not _is_prefill(s)]
+        has_prefill = len(decoding) != len(batch.seqs)
+        self.controller.observe(StepStats(
+            batch_size=len(decoding),
+            depth=plan.depth,
+            num_nodes=plan.num_nodes,
+            draft_s=0.0 if has_prefill else draft_s,
+            verify_s=0.0 if has_prefill else verify_s,
+            num_accepted=num_accepted,
+            request_ids=request_ids,
+        ))
 
     def prefill_draft(self, batch: SchedulerOutput) -> None:
         if self.drafter.has_kv:
@@ -178,13 +244,11 @@ class Speculator:
         if verified:
             new_tokens.update(self._accept(logits, verified))
         t2 = time.perf_counter()
-        if self.controller is not None:
-            self.controller.observe_step(
-                batch_size=len(batch.seqs), depth=plan.depth, num_nodes=plan.num_nodes,
-                draft_s=t1 - t0, verify_s=t2 - t1,
-                num_accepted=[len(new_tokens[s.request.request_id]) - 1 for s, _, _ in verified],
-                request_ids=[s.request.request_id for s, _, _ in verified],
-            )
+        self.observe(
+            batch, plan, t1 - t0, t2 - t1,
+            [len(new_tokens[s.request.request_id]) - 1 for s, _, _ in verified],
+            [s.request.request_id for s, _, _ in verified],
+        )
         return new_tokens
 
     @staticmethod
@@ -296,7 +360,21 @@ def make_speculator(config: EngineConfig, engine):
         drafter = ModelDrafter(engine.draft)
     controller = None
     if config.spec.mode == "adaptive":
-        from specserve.controller import make_controller
-
-        controller = make_controller(config, engine)
+        controller = make_controller(config, tree_kind="chain" if kind == "ngram" else config.spec.tree)
     return Speculator(config, engine, drafter, controller)
+
+
+def make_controller(config: EngineConfig, tree_kind: str):
+    """The adaptive controller over depth 0..max_depth and the node budget of the tree shape."""
+    from specserve.controller import AdaptiveController
+
+    spec = config.spec
+    max_depth = spec.max_depth
+    if tree_kind == "fixed":
+        max_depth = min(max_depth, len(spec.branching))
+        max_nodes = fixed_tree_size(spec.branching, max_depth)
+    elif tree_kind == "dynamic":
+        max_nodes = max(spec.num_nodes, max_depth)
+    else:
+        max_nodes = max_depth
+    return AdaptiveController(mode="adaptive", max_depth=max_depth, max_num_nodes=max_nodes)
