@@ -209,3 +209,56 @@ def test_benchmark_run_end_to_end_against_scripted_server(tmp_path):
     assert res["depth_series"] and res["depth_series"][0][1] == 4
     assert res["acceptance"]["num_drafts"] == 0   # the scripted counters do not move
     json.dumps(res)   # serialisable as written by main()
+
+
+def test_sweep_against_running_servers_writes_table_and_plots(tmp_path):
+    """sweep.py in 'already running server' mode (no server is started), then plots.py."""
+    import threading
+
+    from benchmarks import sweep
+
+    ready = threading.Event()
+    box = {}
+
+    def serve():
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+
+        async def health(request):
+            return web.Response(text="ok")
+
+        async def start():
+            app = web.Application()
+            app.router.add_post("/v1/completions", scripted_completions)
+            app.router.add_get("/metrics", metrics_route)
+            app.router.add_get("/health", health)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            box["port"] = site._server.sockets[0].getsockname()[1]
+            box["runner"] = runner
+        loop.run_until_complete(start())
+        box["loop"] = loop
+        ready.set()
+        loop.run_forever()
+        loop.run_until_complete(box["runner"].cleanup())
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    assert ready.wait(10)
+    base = f"http://127.0.0.1:{box['port']}"
+    try:
+        sweep.main(["--model", "m", "--base-url", f"none={base}", "--base-url", f"adaptive={base}",
+                    "--concurrency", "1", "2", "--out-dir", str(tmp_path), "--",
+                    "--num-prompts", "3", "--no-progress"])
+    finally:
+        box["loop"].call_soon_threadsafe(box["loop"].stop)
+        t.join(10)
+    table = (tmp_path / "summary.md").read_text().splitlines()
+    assert len(table) == 2 + 4
+    assert table[2].startswith("| none | 1 |") and table[-1].startswith("| adaptive | 2 |")
+    assert (tmp_path / "latency_throughput.png").stat().st_size > 1000
+    assert (tmp_path / "depth_over_time.png").exists()
+    res = json.loads((tmp_path / "adaptive_c2.json").read_text())
+    assert res["metrics"]["num_completed"] == 3 and res["config"]["label"] == "adaptive"

@@ -1,0 +1,138 @@
+"""Concurrency x setting sweep: for each setting start a server (or use a running one), run
+the load generator at every concurrency, write a markdown table and plots.
+
+    python -m benchmarks.sweep --model M --config configs/embedded.toml \\
+        --server-cmd "specserve serve --config {config} --host 127.0.0.1 --port {port} {overrides}" \\
+        --out-dir results/sweep -- --num-prompts 64 --max-tokens 128
+
+Settings: ``none`` (no speculation), ``static1`` .. ``static6``, ``adaptive``. With
+``--base-url`` (repeatable as ``label=url``) the servers are already running and nothing is
+started. Extra arguments after ``--`` go to every loadgen run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from benchmarks import loadgen, plots
+
+CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64)
+SETTINGS = {
+    "none": "--draft-kind none",
+    **{f"static{d}": f"--spec-mode static --spec-depth {d}" for d in range(1, 7)},
+    "adaptive": "--spec-mode adaptive",
+}
+
+
+def wait_healthy(base_url: str, proc: subprocess.Popen | None, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before becoming healthy")
+        try:
+            with urllib.request.urlopen(base_url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server at {base_url} not healthy after {timeout:.0f} s")
+
+
+def start_server(template: str, config: str, port: int, overrides: str, log_path: Path) -> subprocess.Popen:
+    cmd = template.format(config=config, port=port, overrides=overrides)
+    log = open(log_path, "w")
+    # Own process group, so stopping it stops its children and nothing else.
+    return subprocess.Popen(shlex.split(cmd), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def markdown_table(results: list[dict]) -> str:
+    head = ("| setting | conc | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+            "| TPOT p50 ms | mean acc. len |\n|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for r in results:
+        m, acc = r["metrics"], r.get("acceptance") or {}
+        mal = acc.get("mean_acceptance_length")
+        rows.append(
+            f"| {r['config'].get('label')} | {r['config'].get('max_concurrency')} "
+            f"| {m['request_throughput']:.2f} | {m['output_throughput']:.1f} "
+            f"| {m['ttft_s']['median']*1e3:.1f} | {m['ttft_s']['p99']*1e3:.1f} "
+            f"| {m['itl_s']['median']*1e3:.1f} | {m['itl_s']['p99']*1e3:.1f} "
+            f"| {m['tpot_s']['median']*1e3:.1f} | {'' if mal is None else f'{mal:.2f}'} |")
+    return head + "\n" + "\n".join(rows) + "\n"
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sweep")
+    p.add_argument("--model", required=True)
+    p.add_argument("--config", default="")
+    p.add_argument("--server-cmd", default="specserve serve --config {config} --host 127.0.0.1 "
+                                             "--port {port} {overrides}")
+    p.add_argument("--base-url", action="append", default=[], metavar="LABEL=URL",
+                   help="use an already running server per setting instead of starting one")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--concurrency", nargs="*", type=int, default=list(CONCURRENCIES))
+    p.add_argument("--prompts-per-concurrency", type=int, default=4,
+                   help="num prompts = max(16, this x concurrency) unless --num-prompts is passed after --")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--out-dir", default="results/sweep")
+    args = p.parse_args(argv)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    running = dict(s.split("=", 1) for s in args.base_url)
+    settings = list(running) if running else args.settings
+    results = []
+    for setting in settings:
+        proc = None
+        base = running.get(setting)
+        if base is None:
+            base = f"http://127.0.0.1:{args.port}"
+            proc = start_server(args.server_cmd, args.config, args.port, SETTINGS[setting],
+                                out / f"server_{setting}.log")
+        try:
+            wait_healthy(base, proc, args.startup_timeout)
+            for conc in args.concurrency:
+                path = out / f"{setting}_c{conc}.json"
+                lg = ["--base-url", base, "--model", args.model, "--max-concurrency", str(conc),
+                      "--label", setting, "--out", str(path), "--scrape-interval", "0.5"]
+                if "--num-prompts" not in extra:
+                    lg += ["--num-prompts", str(max(16, args.prompts_per_concurrency * conc))]
+                print(f"== {setting} concurrency {conc}", file=sys.stderr)
+                results.append(loadgen.main(lg + extra))
+        finally:
+            if proc is not None:
+                stop_server(proc)
+    (out / "summary.md").write_text(markdown_table(results))
+    (out / "all_results.json").write_text(json.dumps(results, indent=1))
+    for path in plots.make_all(results, out):
+        print(path)
+    print(out / "summary.md")
+
+
+if __name__ == "__main__":
+    main()
