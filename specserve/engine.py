@@ -362,12 +362,16 @@ class AsyncEngine:
         result: list = []
         self._commands.put(("add", (request_id, prompt, params), done, result))
         self._wake.set()
-        await asyncio.to_thread(done.wait)
-        if result and isinstance(result[0], BaseException):
-            self._streams.pop(request_id, None)
-            raise result[0]
         finished = False
         try:
+            # Inside the try: a caller cancelled while the add is pending still aborts it.
+            # Polling: an engine that stops before draining the add must not hang the caller.
+            while not await asyncio.to_thread(done.wait, 0.5):
+                if not self.is_alive:
+                    raise EngineDeadError(f"the engine is not running: {self.error!r}")
+            if result and isinstance(result[0], BaseException):
+                finished = True  # never added: nothing to abort (and the id may be another request's)
+                raise result[0]
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):

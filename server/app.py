@@ -1,0 +1,558 @@
+"""The OpenAI-compatible HTTP front door (DESIGN.md §7): aiohttp on an AsyncEngine.
+
+The engine steps on its own thread, so this event loop only parses requests, tokenizes
+prompts and writes chunks: streams, /health and /metrics stay responsive while a step
+computes. A request's life here:
+
+    parse + validate (400/404) -> tokenize -> n x AsyncEngine.generate (400/429 at admission)
+    -> first output -> headers -> chunks as outputs arrive -> usage -> [DONE]
+
+Every exit path closes the engine iterators, and closing one that has not finished aborts
+its request: a client that goes away (write fails, or aiohttp cancels the handler) frees
+its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+from aiohttp import web
+
+from specserve.config import EngineConfig
+from specserve.engine import AsyncEngine, EngineDeadError, LLMEngine, QueueFullError, RequestOutput
+from specserve.errors import InvalidRequestError
+from specserve.metrics import ServerMetrics
+from specserve.sampling import SamplingParams
+
+logger = logging.getLogger("specserve.server")
+
+MAX_N = 64  # choices per request
+_json = msgspec.json.Encoder()  # compact: no spaces, as SSE events should be
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, body=_json.encode(self.body()), content_type="application/json",
+                            headers=self.headers)
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down; retry on another replica", type="service_unavailable",
+                    code="shutting_down")
+
+
+@dataclass
+class ServerState:
+    engine: LLMEngine
+    cfg: EngineConfig
+    model_name: str
+    metrics: ServerMetrics
+    async_engine: AsyncEngine | None = None
+    draining: bool = False
+    num_inflight: int = 0
+    idle: asyncio.Event | None = None  # set while num_inflight == 0
+
+
+STATE = web.AppKey("specserve_state", ServerState)
+
+
+# -- request parsing --------------------------------------------------------------------------
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _get(body: dict, name: str, default=None):
+    """A field's value; null counts as absent (clients send null for 'not given')."""
+    value = body.get(name)
+    return default if value is None else value
+
+
+@dataclass
+class Choice:  # one engine request
+    index: int
+    prompt_idx: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def _chat_prompt(tokenizer, body: dict) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    rendered = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            parts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise ApiError(400, f"messages[{i}].content[{j}] must be a text part "
+                                        f'{{"type": "text", "text": "..."}}; other part types are not supported',
+                                   f"messages[{i}].content")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts, got "
+                                f"{type(content).__name__}", f"messages[{i}].content")
+        rendered.append({"role": m["role"], "content": content})
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+    try:
+        text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # a template that rejects the conversation (roles, order)
+        raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
+    # The template writes the special tokens (BOS) itself.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _completion_prompts(tokenizer, body: dict) -> list[list[int]]:
+    prompt = body.get("prompt")
+    why = "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids"
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(
+        isinstance(p, str) or (isinstance(p, list) and all(_is_int(t) for t in p)) for p in prompt
+    ):
+        prompts = prompt
+    else:
+        raise ApiError(400, f"{why}, got {json.dumps(prompt)[:80]}", "prompt")
+    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+
+def _parse(state: ServerState, body: dict, chat: bool) -> tuple[list[Choice], bool, bool]:
+    """-> (choices, stream, include_usage). Raises ApiError naming the field and what is allowed."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, f"model must be a string, got {model!r}", "model")
+    if model is not None and model != state.model_name:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{state.model_name}'",
+                       "model", code="model_not_found")
+    stream = _get(body, "stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")
+    options = _get(body, "stream_options", {})
+    if not isinstance(options, dict) or not isinstance(_get(options, "include_usage", False), bool):
+        raise ApiError(400, f"stream_options must be an object like {{\"include_usage\": true}}, got {options!r}",
+                       "stream_options")
+    include_usage = stream and _get(options, "include_usage", False)
+    n = _get(body, "n", 1)
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise ApiError(400, f"n must be an integer in [1, {MAX_N}], got {n!r}", "n")
+
+    max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(max_name)
+    stop = _get(body, "stop", [])
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise ApiError(400, f"seed must be null or an integer, got {seed!r}", "seed")
+
+    tokenizer = state.engine.tokenizer
+    prompts = [_chat_prompt(tokenizer, body)] if chat else _completion_prompts(tokenizer, body)
+    max_model_len = state.engine.max_model_len
+    choices = []
+    for p, prompt_ids in enumerate(prompts):
+        # Absent max_tokens: the room left in the context. At least 1, so that a prompt that
+        # fills the context gets the engine's own "maximum context length" error.
+        budget = max_tokens if max_tokens is not None else max(1, max_model_len - len(prompt_ids))
+        for i in range(n):
+            try:
+                params = SamplingParams(
+                    max_tokens=budget,
+                    temperature=_get(body, "temperature", 1.0),
+                    top_p=_get(body, "top_p", 1.0),
+                    top_k=_get(body, "top_k", 0),
+                    seed=None if seed is None else seed + i,
+                    stop=stop,
+                    ignore_eos=_get(body, "ignore_eos", False),
+                )
+            except InvalidRequestError as e:
+                param = max_name if e.param == "max_tokens" else e.param
+                raise ApiError(400, str(e).replace("max_tokens", max_name, 1), param) from None
+            choices.append(Choice(p * n + i, p, prompt_ids, params))
+    return choices, stream, include_usage
+
+
+# -- running requests -------------------------------------------------------------------------
+
+
+class _Run:
+    """The engine requests of one HTTP request, started together and always closed together."""
+
+    def __init__(self, state: ServerState, choices: list[Choice], id_prefix: str, chat: bool):
+        self.state, self.choices, self.chat, self.id = state, choices, chat, id_prefix
+        self.gens: list[AsyncIterator[RequestOutput]] = [
+            state.async_engine.generate(c.prompt_ids, c.params, f"{id_prefix}-{c.index}") for c in choices
+        ]
+        self.arrival = time.monotonic()
+        self.last_time: list[float | None] = [None] * len(choices)
+        self.num_tokens = [0] * len(choices)
+
+    async def first_outputs(self) -> list[RequestOutput]:
+        """Admit every choice and wait for its first output; the first refusal (400, 429, 503) wins."""
+        results = await asyncio.gather(*(g.__anext__() for g in self.gens), return_exceptions=True)
+        for r in results:
+            if isinstance(r, QueueFullError):
+                raise ApiError(429, str(r), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+            if isinstance(r, InvalidRequestError):
+                param = r.param
+                if param == "prompt" and self.chat:
+                    param = "messages"
+                code = "context_length_exceeded" if "context length" in str(r) or "KV cache" in str(r) else None
+                raise ApiError(400, str(r), param, code=code)
+            if isinstance(r, EngineDeadError):
+                raise ApiError(503, str(r), type="service_unavailable", code="engine_dead")
+            if isinstance(r, StopAsyncIteration):  # cannot happen: the last output is always yielded
+                raise ApiError(500, "the engine returned no output", type="internal_error")
+            if isinstance(r, BaseException):
+                raise r
+        self.state.metrics.prompt_tokens.inc(sum(len(c.prompt_ids) for c in self.choices))
+        for i, out in enumerate(results):
+            self.observe(i, out)
+        return results
+
+    def observe(self, i: int, out: RequestOutput) -> None:
+        now, m = time.monotonic(), self.state.metrics
+        k = len(out.new_token_ids)
+        if k:
+            if self.last_time[i] is None:
+                m.time_to_first_token.observe(now - self.arrival)
+                m.generation_tokens.inc(k)
+            else:
+                m.observe_tokens(k, now - self.last_time[i])
+            self.last_time[i] = now
+            self.num_tokens[i] += k
+        if out.finished:
+            m.e2e_request_latency.observe(now - self.arrival)
+
+    async def rest(self, firsts: list[RequestOutput]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice position, output) for every output after the first ones, as they arrive."""
+        live = [i for i, out in enumerate(firsts) if not out.finished]
+        if len(live) == 1:  # the common case: no tasks
+            i = live[0]
+            async for out in self.gens[i]:
+                self.observe(i, out)
+                yield i, out
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int):
+            try:
+                async for out in self.gens[i]:
+                    merged.put_nowait((i, out))
+            except BaseException as e:
+                merged.put_nowait((i, e))
+                raise
+            finally:
+                merged.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i)) for i in live]
+        try:
+            remaining = len(live)
+            while remaining:
+                i, item = await merged.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    self.observe(i, item)
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Close every engine iterator: the unfinished ones abort their requests."""
+        for g in self.gens:
+            try:
+                await g.aclose()
+            except Exception:  # an iterator that failed is closed already
+                pass
+
+    def usage(self) -> dict:
+        # The prompt counts once, whatever n is.
+        prompt = sum({c.prompt_idx: len(c.prompt_ids) for c in self.choices}.values())
+        completion = sum(self.num_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# -- handlers ---------------------------------------------------------------------------------
+
+
+async def _read_json(request: web.Request) -> dict:
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _check_serving(state: ServerState) -> None:
+    if state.draining:
+        raise _shutting_down()
+    if state.async_engine is None or not state.async_engine.is_alive:
+        raise ApiError(503, f"the engine is not running: {state.async_engine and state.async_engine.error!r}",
+                       type="service_unavailable", code="engine_dead")
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    state = request.app[STATE]
+    try:
+        _check_serving(state)
+        body = await _read_json(request)
+        choices, stream, include_usage = _parse(state, body, chat)
+    except ApiError as e:
+        return e.response()
+    state.num_inflight += 1
+    state.idle.clear()
+    kind = "chatcmpl" if chat else "cmpl"
+    run = _Run(state, choices, f"{kind}-{uuid.uuid4().hex}", chat)
+    try:
+        try:
+            firsts = await run.first_outputs()
+        except ApiError as e:
+            return e.response()
+        if stream:
+            return await _stream(request, run, firsts, include_usage)
+        return await _complete(run, firsts)
+    finally:
+        await run.close()
+        state.num_inflight -= 1
+        if state.num_inflight == 0:
+            state.idle.set()
+
+
+def _header(run: _Run) -> dict:
+    return {"id": run.id, "created": int(time.time()), "model": run.state.model_name}
+
+
+async def _complete(run: _Run, firsts: list[RequestOutput]) -> web.Response:
+    final = {i: out for i, out in enumerate(firsts) if out.finished}
+    async for i, out in run.rest(firsts):
+        if out.finished:
+            final[i] = out
+    choices = []
+    for i, c in enumerate(run.choices):
+        out = final[i]
+        if run.chat:
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": out.text},
+                            "logprobs": None, "finish_reason": out.finish_reason})
+        else:
+            choices.append({"index": c.index, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason})
+    body = {**_header(run), "object": "chat.completion" if run.chat else "text_completion",
+            "choices": choices, "usage": run.usage()}
+    return web.Response(body=_json.encode(body), content_type="application/json")
+
+
+async def _stream(request: web.Request, run: _Run, firsts: list[RequestOutput], include_usage: bool):
+    """SSE as OpenAI streams it: `data: <compact json>\\n\\n` per chunk, the role with the first
+    token, finish_reason on the last content chunk, the usage chunk (choices: []) when asked,
+    then `data: [DONE]\\n\\n`. Empty intermediate deltas (text held back by the detokenizer:
+    a partial UTF-8 character, a possible stop-string prefix) are not sent."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    header = _header(run)
+    obj = "chat.completion.chunk" if run.chat else "text_completion"
+    sent_role = [False] * len(run.choices)
+
+    def event(i: int, out: RequestOutput) -> bytes | None:
+        if not out.new_text and not out.finished:
+            return None
+        choice = {"index": run.choices[i].index}
+        if run.chat:
+            delta = {"content": out.new_text}
+            if not sent_role[i]:
+                delta = {"role": "assistant", **delta}
+                sent_role[i] = True
+            choice["delta"] = delta
+        else:
+            choice["text"] = out.new_text
+        choice["logprobs"] = None
+        choice["finish_reason"] = out.finish_reason if out.finished else None
+        return b"data: " + _json.encode({**header, "object": obj, "choices": [choice]}) + b"\n\n"
+
+    try:
+        for i, out in enumerate(firsts):
+            if (data := event(i, out)) is not None:
+                await resp.write(data)
+        async for i, out in run.rest(firsts):
+            if (data := event(i, out)) is not None:
+                await resp.write(data)
+        if include_usage:
+            await resp.write(b"data: " + _json.encode({**header, "object": obj, "choices": [],
+                                                       "usage": run.usage()}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except (ConnectionResetError, ConnectionError):
+        logger.info("client went away mid-stream; its requests are aborted")
+    except EngineDeadError as e:  # headers are sent: report it in the stream
+        err = ApiError(503, str(e), type="service_unavailable", code="engine_dead")
+        try:
+            await resp.write(b"data: " + _json.encode(err.body()) + b"\n\ndata: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError:
+            pass
+    return resp
+
+
+async def handle_chat(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def handle_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    model = {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "specserve",
+             "root": state.cfg.target.path, "parent": None, "max_model_len": state.engine.max_model_len}
+    return web.Response(body=_json.encode({"object": "list", "data": [model]}), content_type="application/json")
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        _check_serving(state)
+    except ApiError as e:
+        return e.response()
+    return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    body, content_type = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+@web.middleware
+async def _errors(request: web.Request, handler):
+    """Errors as JSON, never a stack trace: aiohttp's own 404/405 included."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return ApiError(e.status, f"{request.method} {request.path}: {e.reason}", code=str(e.status)).response()
+    except ApiError as e:
+        return e.response()
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception as e:
+        logger.exception("internal error on %s %s", request.method, request.path)
+        return ApiError(500, f"internal error: {e!r}", type="internal_error").response()
+
+
+# -- the app ----------------------------------------------------------------------------------
+
+
+def model_name(cfg: EngineConfig) -> str:
+    return cfg.server.served_model_name or Path(cfg.target.path).name
+
+
+def create_app(engine: LLMEngine, cfg: EngineConfig) -> web.Application:
+    """The app for an engine; the AsyncEngine starts and stops with the app (on its loop)."""
+    state = ServerState(engine=engine, cfg=cfg, model_name=model_name(cfg), metrics=ServerMetrics(engine))
+    app = web.Application(middlewares=[_errors], client_max_size=64 * 2**20)
+    app[STATE] = state
+
+    async def start_engine(app: web.Application) -> None:
+        state.idle = asyncio.Event()
+        state.idle.set()
+        state.async_engine = AsyncEngine(engine)
+        state.async_engine.start()
+
+    async def stop_engine(app: web.Application) -> None:
+        state.draining = True
+        if state.async_engine is not None:
+            await state.async_engine.shutdown()
+
+    app.on_startup.append(start_engine)
+    app.on_cleanup.append(stop_engine)
+    app.router.add_post("/v1/chat/completions", handle_chat)
+    app.router.add_post("/v1/completions", handle_completions)
+    app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/health", handle_health)
+    app.router.add_get("/metrics", handle_metrics)
+    return app
+
+
+async def drain(app: web.Application, timeout_s: float) -> int:
+    """Stop accepting (new requests and /health get 503) and wait up to timeout_s for the
+    requests in flight to finish. Returns how many were still running."""
+    state = app[STATE]
+    state.draining = True
+    try:
+        await asyncio.wait_for(state.idle.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        pass
+    return state.num_inflight
+
+
+def make_runner(app: web.Application, shutdown_timeout_s: float = 1.0) -> web.AppRunner:
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its
+    # requests even while they wait in the queue.
+    return web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout_s, access_log=None)
+
+
+async def _serve(engine: LLMEngine, cfg: EngineConfig) -> None:
+    app = create_app(engine, cfg)
+    runner = make_runner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
+    await site.start()
+    for addr in runner.addresses:
+        logger.info("serving '%s' on http://%s:%d (OpenAI API at /v1)", model_name(cfg), addr[0], addr[1])
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("shutting down: refusing new requests, finishing %d in flight (at most %.0f s)",
+                app[STATE].num_inflight, cfg.server.shutdown_timeout_s)
+    left = await drain(app, cfg.server.shutdown_timeout_s)
+    if left:
+        logger.warning("aborting %d requests still running after %.0f s", left, cfg.server.shutdown_timeout_s)
+    await runner.cleanup()  # cancels what is left (aborting its requests), then stops the engine
+    logger.info("stopped")
+
+
+def serve(cfg: EngineConfig) -> None:
+    """`specserve serve`: build the engine, log what it serves, run until SIGTERM/SIGINT."""
+    engine = LLMEngine(cfg)
+    logger.info("target: %s", cfg.target.path)
+    logger.info("draft: %s%s", cfg.draft.kind, f" {cfg.draft.path}" if cfg.draft.kind == "model" else "")
+    logger.info("pool: %d blocks x %d tokens = %d tokens, %d bytes", engine.pool.num_blocks, engine.pool.block_size,
+                engine.pool.num_blocks * engine.pool.block_size, engine.pool_bytes)
+    logger.info("max_model_len: %d, pid %d", engine.max_model_len, os.getpid())
+    asyncio.run(_serve(engine, cfg))

@@ -1,0 +1,98 @@
+"""Prometheus metrics of one server, all in one place (DESIGN.md §7).
+
+Each `ServerMetrics` owns its own CollectorRegistry, so several apps (tests) can live in one
+process. Latencies and token counts are observed by the HTTP handlers as outputs reach the
+client; engine state (queue lengths, pool usage, the speculative counters of
+`engine.spec.totals`) is read at scrape time by a collector, so the exported counters are
+exactly the engine's, with no deltas to keep in step.
+
+The names are a contract: the benchmark client scrapes them.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                    20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class _EngineCollector:
+    """Reads the engine at scrape time. The engine thread mutates these ints and lists; reading
+    them from the event loop is safe in CPython and at worst one step stale."""
+
+    def __init__(self, engine):
+        self.engine = engine  # LLMEngine
+
+    def collect(self):
+        engine = self.engine
+        g = GaugeMetricFamily("specserve_num_requests_running", "Requests being decoded (holding KV blocks).")
+        g.add_metric([], len(engine.scheduler.running))
+        yield g
+        g = GaugeMetricFamily("specserve_num_requests_waiting", "Requests queued for their first schedule.")
+        g.add_metric([], len(engine.scheduler.waiting))
+        yield g
+        g = GaugeMetricFamily("specserve_kv_cache_usage_perc", "Fraction of KV pool blocks held (0..1).")
+        g.add_metric([], engine.pool.usage)
+        yield g
+
+        totals = engine.spec.totals
+        for name, value, doc in (
+            ("specserve_spec_num_drafts", totals.num_drafts, "Speculative steps (a tree proposed and verified)."),
+            ("specserve_spec_num_draft_tokens", totals.num_draft_tokens, "Draft tokens (tree nodes) proposed."),
+            ("specserve_spec_num_accepted_tokens", totals.num_accepted_tokens, "Draft tokens accepted."),
+        ):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c
+        c = CounterMetricFamily(
+            "specserve_spec_accepted_per_position", "Times a draft token at depth `position` (from 1) was accepted.",
+            labels=["position"],
+        )
+        for pos, count in enumerate(list(totals.accepted_per_position)):
+            c.add_metric([str(pos + 1)], count)
+        yield c
+        g = GaugeMetricFamily("specserve_spec_mean_tokens_per_pass", "Tokens emitted per verifying target pass.")
+        g.add_metric([], totals.mean_tokens_per_pass)
+        yield g
+        g = GaugeMetricFamily("specserve_spec_depth", "Speculation depth in use (0 = plain decode).")
+        g.add_metric([], totals.last_depth)
+        yield g
+
+
+class ServerMetrics:
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "specserve_time_to_first_token_seconds", "From request arrival to its first token.",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        # With speculation one output carries several tokens; each of them is observed with the
+        # gap since the previous output divided by their number, so the mean is time per token.
+        self.inter_token_latency = Histogram(
+            "specserve_inter_token_latency_seconds", "Time per output token after the first.",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.e2e_request_latency = Histogram(
+            "specserve_e2e_request_latency_seconds", "From request arrival to its last token.",
+            buckets=_E2E_BUCKETS, registry=r,
+        )
+        self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter("specserve_generation_tokens", "Tokens generated.", registry=r)
+        r.register(_EngineCollector(engine))
+
+    def observe_tokens(self, num_tokens: int, gap_s: float | None) -> None:
+        """`num_tokens` new tokens of one request arrived `gap_s` after its previous ones
+        (None: these include its first token, which TTFT covers)."""
+        self.generation_tokens.inc(num_tokens)
+        if gap_s is not None and num_tokens:
+            per_token = gap_s / num_tokens
+            for _ in range(num_tokens):
+                self.inter_token_latency.observe(per_token)
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) of the Prometheus text exposition."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,132 @@
+"""A real server on a loopback port, its event loop on a background thread, so tests drive it
+with the official synchronous `openai` client (or raw aiohttp) from the test thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specserve import config as config_mod
+from specserve.engine import LLMEngine
+from tests.checkpoints import make_checkpoint
+
+MAX_MODEL_LEN = 256
+
+
+class ServerThread:
+    """create_app + AppRunner + TCPSite(127.0.0.1, port 0) on a loop of its own."""
+
+    def __init__(self, engine: LLMEngine, cfg):
+        from server.app import create_app, make_runner
+
+        self.engine, self.cfg = engine, cfg
+        self.app = create_app(engine, cfg)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
+        self.thread.start()
+        self.runner = make_runner(self.app)
+
+        async def start():
+            from aiohttp import web
+
+            await self.runner.setup()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            return self.runner.addresses[0][1]
+
+        self.port = self.call(start())
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.url = self.base + "/v1"
+
+    def call(self, coro, timeout: float = 60.0):
+        """Run a coroutine on the server's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def client(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.url, api_key="x", max_retries=0, timeout=60.0, **kwargs)
+
+    def stop(self):
+        self.call(self.runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def engine_config(target: Path, draft: Path | str | None = None, **overrides):
+    cfg = config_mod.default()
+    kw = dict(target=str(target), dtype="float32", device="cpu", num_blocks=256, block_size=8,
+              max_model_len=MAX_MODEL_LEN)
+    if draft is None or draft in ("ngram", "none"):
+        kw["draft_kind"] = draft or "none"
+    else:
+        kw["draft"] = str(draft)
+    kw.update(overrides)
+    return config_mod.with_overrides(cfg, **kw)
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+@pytest.fixture(scope="session")
+def server_target(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("server_target"), "llama", seed=0, num_hidden_layers=2)
+
+
+@pytest.fixture(scope="session")
+def server_draft(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("server_draft"), "llama", seed=1, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def server(server_target, server_draft):
+    """The target with a draft model: every request here also exercises speculation."""
+    cfg = engine_config(server_target, server_draft, spec_mode="static", spec_depth=3)
+    srv = ServerThread(LLMEngine(cfg, progress=False), cfg)
+    yield srv
+    srv.stop()
+
+
+# -- a checkpoint whose greedy output is known in advance ------------------------------------
+
+SCRIPT = "Tokyo 東京🙂 done."
+
+
+def make_successor_checkpoint(dir: Path, text: str = SCRIPT) -> tuple[Path, list[int]]:
+    """A one-layer llama that is a lookup table: greedy decoding after token a emits succ(a),
+    where succ follows the tokens of `text` and then EOS. Attention and MLP outputs are zeroed
+    (o_proj, down_proj), so the final hidden state is the current token's embedding; with
+    one-hot embeddings (hidden >= vocab) the logits are lm_head[:, a]. Returns (dir, ids of text)."""
+    from transformers import AutoTokenizer
+
+    dir = make_checkpoint(dir, "llama", seed=0, num_hidden_layers=1, hidden_size=512, intermediate_size=64,
+                          num_attention_heads=4, num_key_value_heads=2)
+    tok = AutoTokenizer.from_pretrained(str(dir))
+    ids = tok.encode(text)
+    assert len(set(ids)) == len(ids), f"{text!r} repeats a token; a successor table cannot follow it"
+    file = dir / "model.safetensors"
+    w = load_file(str(file))
+    vocab, hidden = w["model.embed_tokens.weight"].shape
+    assert hidden >= vocab
+    w["model.embed_tokens.weight"] = torch.eye(vocab, hidden)
+    w["model.norm.weight"] = torch.ones(hidden)
+    w["model.layers.0.self_attn.o_proj.weight"].zero_()
+    w["model.layers.0.mlp.down_proj.weight"].zero_()
+    lm_head = torch.zeros(vocab, hidden)
+    for a, b in zip(ids, ids[1:] + [tok.eos_token_id]):
+        lm_head[b, a] = 1.0
+    w["lm_head.weight"] = lm_head
+    save_file(w, str(file), metadata={"format": "pt"})
+    return dir, ids

@@ -1,0 +1,227 @@
+"""The server driven by the official openai client, plus the raw SSE bytes of one stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import aiohttp
+import pytest
+
+from specserve.sampling import SamplingParams
+from tests.server.conftest import MAX_MODEL_LEN
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the sea."}]
+
+
+def rendered_ids(srv, messages) -> list[int]:
+    tok = srv.engine.tokenizer
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def model_name(srv) -> str:
+    return srv.client().models.list().data[0].id
+
+
+def test_models_lists_the_target(server, server_target):
+    models = server.client().models.list().data
+    assert [m.id for m in models] == [server_target.name]
+    assert models[0].owned_by == "specserve"
+    assert models[0].model_extra["root"] == str(server_target)
+
+
+def test_health(server):
+    with urllib.request.urlopen(server.base + "/health") as r:
+        assert r.status == 200
+
+
+def test_chat_stream_equals_non_stream(server):
+    client, model = server.client(), model_name(server)
+    full = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=40, temperature=0)
+    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=40, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    content = [c for c in chunks if c.choices]
+    assert content[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in content[1:])
+    assert "".join(c.choices[0].delta.content for c in content) == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in content] == [None] * (len(content) - 1) + ["length"]
+    assert full.choices[0].finish_reason == "length"
+    prompt_tokens = len(rendered_ids(server, MESSAGES))
+    for usage in (full.usage, chunks[-1].usage):
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+            prompt_tokens, 40, prompt_tokens + 40)
+    assert chunks[-1].choices == []
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_content_as_text_parts(server):
+    client, model = server.client(), model_name(server)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "a story."}]}]
+    plain = [{"role": "user", "content": "Tell me a story."}]
+    a = client.chat.completions.create(model=model, messages=parts, max_tokens=12, temperature=0)
+    b = client.chat.completions.create(model=model, messages=plain, max_tokens=12, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens == len(rendered_ids(server, plain))
+
+
+def test_completion_matches_offline_engine(server, server_target, server_draft):
+    """Non-streaming and streaming completions both equal LLM.generate on the same pair."""
+    from specserve.llm import LLM
+    from tests.server.conftest import engine_config
+
+    prompt = "Once upon a time"
+    client, model = server.client(), model_name(server)
+    full = client.completions.create(model=model, prompt=prompt, max_tokens=30, temperature=0)
+    stream = list(client.completions.create(model=model, prompt=prompt, max_tokens=30, temperature=0, stream=True))
+    offline = LLM(engine_config(server_target, server_draft), progress=False).generate(
+        prompt, SamplingParams(max_tokens=30, temperature=0.0))[0]
+    assert full.choices[0].text == offline.text
+    assert "".join(c.choices[0].text for c in stream) == offline.text
+    assert stream[-1].choices[0].finish_reason == full.choices[0].finish_reason == offline.finish_reason
+    assert all(c.object == "text_completion" for c in stream)
+    assert full.usage.prompt_tokens == len(server.engine.tokenizer.encode(prompt))
+    assert full.usage.completion_tokens == len(offline.token_ids)
+
+
+def test_completion_prompt_as_token_ids_and_batch(server):
+    client, model = server.client(), model_name(server)
+    ids = server.engine.tokenizer.encode("The quick brown fox")
+    by_text = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=10, temperature=0)
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=10, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+    batch = client.completions.create(model=model, prompt=["The quick brown fox", "def f"], max_tokens=10,
+                                      temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text == by_text.choices[0].text
+    assert batch.usage.prompt_tokens == len(ids) + len(server.engine.tokenizer.encode("def f"))
+
+
+def test_n_choices_with_seed(server):
+    """n > 1: choices 0..n-1, choice i sampled with seed + i (so it equals a single request with that seed)."""
+    client, model = server.client(), model_name(server)
+    kw = dict(model=model, prompt="Hello! How are", max_tokens=16, temperature=5.0)
+    three = client.completions.create(n=3, seed=7, extra_body={"top_k": 50, "ignore_eos": True}, **kw)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    singles = [client.completions.create(n=1, seed=7 + i, extra_body={"top_k": 50, "ignore_eos": True}, **kw).choices[0].text
+               for i in range(3)]
+    assert [c.text for c in three.choices] == singles
+    assert len(set(singles)) > 1, "seeds 7, 8, 9 at temperature 5 should not all sample the same text"
+    assert three.usage.completion_tokens == 3 * 16
+    # The same stream: every choice's chunks, concatenated, equal its non-streaming text.
+    texts = {0: "", 1: "", 2: ""}
+    finished = set()
+    for chunk in client.completions.create(n=3, seed=7, stream=True, extra_body={"top_k": 50, "ignore_eos": True}, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finished.add(c.index)
+    assert [texts[i] for i in range(3)] == singles and finished == {0, 1, 2}
+
+
+def test_max_tokens_defaults_to_the_room_left(server):
+    client, model = server.client(), model_name(server)
+    ids = server.engine.tokenizer.encode("The dog sleeps")
+    out = client.completions.create(model=model, prompt=ids, temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == MAX_MODEL_LEN - len(ids)
+    assert out.choices[0].finish_reason == "length"
+    # max_completion_tokens is the chat API's name for it
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=5, temperature=0)
+    assert chat.usage.completion_tokens == 5
+
+
+def test_unknown_fields_are_ignored(server):
+    client, model = server.client(), model_name(server)
+    out = client.completions.create(model=model, prompt="Hi", max_tokens=3, temperature=0,
+                                    extra_body={"frobnicate": {"x": 1}, "logit_bias_v2": None})
+    assert out.usage.completion_tokens == 3
+
+
+async def _raw_stream(url: str, body: dict) -> tuple[int, dict, bytes]:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, json=body) as r:
+            return r.status, dict(r.headers), await r.read()
+
+
+def test_raw_sse_framing(server):
+    """Byte for byte: every event is `data: <compact json>\\n\\n`, nothing else on the wire."""
+    body = {"model": model_name(server), "messages": MESSAGES, "max_tokens": 12, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    status, headers, raw = asyncio.run(_raw_stream(server.url + "/chat/completions", body))
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    assert raw.endswith(b"data: [DONE]\n\n")
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    chunks = []
+    for ev in events[:-2]:
+        assert ev.startswith(b"data: ") and b"\n" not in ev, ev
+        payload = ev[len(b"data: "):]
+        obj = json.loads(payload)
+        # compact: exactly what json.dumps writes with no spaces after separators
+        assert payload == json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode(), payload
+        chunks.append(obj)
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    first, *middle, last_content, usage = chunks
+    assert first["choices"][0]["delta"]["role"] == "assistant" and first["choices"][0]["finish_reason"] is None
+    assert all("role" not in c["choices"][0]["delta"] and c["choices"][0]["finish_reason"] is None for c in middle)
+    assert last_content["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+    text = "".join(c["choices"][0]["delta"]["content"] for c in chunks[:-1])
+    full = server.client().chat.completions.create(model=body["model"], messages=MESSAGES, max_tokens=12,
+                                                   temperature=0)
+    assert text == full.choices[0].message.content
+
+
+def test_stream_without_usage_has_no_usage_chunk(server):
+    body = {"model": model_name(server), "prompt": "Hi", "max_tokens": 4, "temperature": 0, "stream": True}
+    status, _, raw = asyncio.run(_raw_stream(server.url + "/completions", body))
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert status == 200 and events[-1] == b"data: [DONE]"
+    objs = [json.loads(e[6:]) for e in events[:-1]]
+    assert all(o["choices"] and "usage" not in o for o in objs)
+    assert objs[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def _scrape(srv) -> dict[str, float]:
+    with urllib.request.urlopen(srv.base + "/metrics") as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_metrics_move_after_a_request(server):
+    names = ["specserve_time_to_first_token_seconds_count", "specserve_inter_token_latency_seconds_count",
+             "specserve_e2e_request_latency_seconds_count", "specserve_num_requests_running",
+             "specserve_num_requests_waiting", "specserve_kv_cache_usage_perc", "specserve_prompt_tokens_total",
+             "specserve_generation_tokens_total", "specserve_spec_num_drafts_total",
+             "specserve_spec_num_draft_tokens_total", "specserve_spec_num_accepted_tokens_total",
+             "specserve_spec_mean_tokens_per_pass", "specserve_spec_depth"]
+    before = _scrape(server)
+    assert set(names) <= set(before), set(names) - set(before)
+    out = server.client().completions.create(model=model_name(server), prompt="The quick brown", max_tokens=20,
+                                             temperature=0)
+    after = _scrape(server)
+    assert after["specserve_prompt_tokens_total"] - before["specserve_prompt_tokens_total"] == out.usage.prompt_tokens
+    assert after["specserve_generation_tokens_total"] - before["specserve_generation_tokens_total"] == 20
+    for name in ("specserve_time_to_first_token_seconds_count", "specserve_e2e_request_latency_seconds_count"):
+        assert after[name] == before[name] + 1
+    # every token after the first output's is observed once; the first output holds 1 token
+    # plus what the first verify pass accepted (at most the depth, 3)
+    itl = after["specserve_inter_token_latency_seconds_count"] - before["specserve_inter_token_latency_seconds_count"]
+    assert 20 - 4 <= itl <= 19
+    totals = server.engine.spec.totals
+    assert after["specserve_spec_num_drafts_total"] == totals.num_drafts > before["specserve_spec_num_drafts_total"]
+    assert after["specserve_spec_num_draft_tokens_total"] == totals.num_draft_tokens
+    assert after["specserve_spec_num_accepted_tokens_total"] == totals.num_accepted_tokens
+    assert after["specserve_spec_depth"] == 3  # static depth 3
+    per_position = [after.get(f'specserve_spec_accepted_per_position_total{{position="{k}"}}', 0.0)
+                    for k in range(1, 4)]
+    assert sum(per_position) == totals.num_accepted_tokens
+    assert after["specserve_num_requests_running"] == 0 and after["specserve_kv_cache_usage_perc"] == 0
+
