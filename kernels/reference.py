@@ -27,7 +27,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     """The first seq_len positions of one sequence: [seq_len, Hkv, D]."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]  # [n, BS, Hkv, D]
+    blocks = cache.index_select(0, block_table[:num_blocks].long())  # [n, BS, Hkv, D]
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
 
 
