@@ -267,8 +267,9 @@ class LLMEngine:
             req.token_ids.append(tok)
             kept += 1
             n_out = req.num_output_tokens
-            if tok in req.stop_token_ids or (
-                tok in req.eos_token_ids and not params.ignore_eos and n_out >= params.min_tokens
+            # min_tokens holds back EOS and stop_token_ids alike (SamplingParams' contract).
+            if n_out >= params.min_tokens and (
+                tok in req.stop_token_ids or (tok in req.eos_token_ids and not params.ignore_eos)
             ):
                 reason = "stop"
             elif n_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
