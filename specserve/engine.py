@@ -229,6 +229,8 @@ class LLMEngine:
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         tensors = SamplingTensors.from_params([r.params for r in requests], logits.device)
+        if tensors.all_greedy:
+            return logits.argmax(dim=-1).tolist()  # the step's one device -> host sync
         tokens = sample(logits, tensors.temperature, tensors.top_k, tensors.top_p, [r.generator for r in requests])
         return tokens.tolist()  # the step's one device -> host sync
 

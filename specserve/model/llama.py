@@ -196,6 +196,17 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """One [q; k; v] projection instead of three: fewer, larger matmuls per token."""
+        wqkv = nn.Linear(self.wq.in_features, self.wq.out_features + 2 * self.wk.out_features,
+                         bias=self.wq.bias is not None, dtype=self.wq.weight.dtype, device=self.wq.weight.device)
+        wqkv.weight.copy_(torch.cat([self.wq.weight, self.wk.weight, self.wv.weight]))
+        if self.wq.bias is not None:
+            wqkv.bias.copy_(torch.cat([self.wq.bias, self.wk.bias, self.wv.bias]))
+        self.wqkv = wqkv
+        del self.wq, self.wk, self.wv
+
     def forward(
         self,
         x: torch.Tensor,  # [T, H]
@@ -205,9 +216,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
         T = x.shape[0]
-        q = self.wq(x).view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.wk(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.wv(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if hasattr(self, "wqkv"):
+            q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.reshape(T, self.num_kv_heads, self.head_dim).contiguous()  # [T, Hkv, D]
         if self.q_norm is not None:  # Qwen3: per-head norm, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -228,7 +244,19 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.w2 = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """One [gate; up] projection instead of two."""
+        w13 = nn.Linear(self.w1.in_features, 2 * self.w1.out_features, bias=False,
+                        dtype=self.w1.weight.dtype, device=self.w1.weight.device)
+        w13.weight.copy_(torch.cat([self.w1.weight, self.w3.weight]))
+        self.w13 = w13
+        del self.w1, self.w3
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        if hasattr(self, "w13"):
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -266,6 +294,13 @@ class CausalLM(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
+
+    def fuse_projections(self) -> None:
+        """After loading: fuse q/k/v and gate/up projections (the loader maps HF names onto
+        the unfused modules first)."""
+        for layer in self.layers:
+            layer.attention.fuse()
+            layer.feed_forward.fuse()
 
     def tie_weights(self) -> None:
         if self.args.tie_word_embeddings:

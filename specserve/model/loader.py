@@ -201,6 +201,7 @@ def load_model(path, dtype="auto", device="cpu", progress: bool = True) -> tuple
         raise ModelLoadError(
             f"missing tensor(s) in {', '.join(f.name for f in files)} ({path}): {', '.join(missing[:5])}{more}"
         )
+    model.fuse_projections()
     model.eval()
     return model, args
 

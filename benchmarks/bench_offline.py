@@ -1,0 +1,131 @@
+"""Offline decode speed: specserve against transformers on the same checkpoint and prompts.
+
+    python -m benchmarks.bench_offline [--target DIR] [--draft DIR] [--batch 1 16] [--max-tokens 64]
+
+Without --target it uses the embedded pair. Greedy, ignore_eos, float32, CPU unless CUDA.
+Figures (decode tokens/s = generated tokens / wall time after the prompt is in):
+  specserve plain, specserve with the draft (chain depths, trees), transformers generate
+  (batch 1: one call; batch 16: request by request, and padded batch), transformers
+  assisted generation (assistant_model=draft, batch 1 only: transformers does not batch it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specserve import LLM, SamplingParams
+from specserve.config import ASSETS_DIR
+
+
+def held_out_prompts(n: int, num_tokens: int, tokenizer) -> list[list[int]]:
+    """Held-out prompts from the embedded pair's corpus when it recorded some, else stdlib text."""
+    file = ASSETS_DIR / "heldout_prompts.jsonl"
+    texts = [json.loads(line) for line in file.read_text().splitlines()] if file.is_file() else []
+    if not texts:
+        import inspect, textwrap, json as _json  # noqa: E401
+        texts = [inspect.getsource(f) for f in (_json.dumps, textwrap.wrap, inspect.getsource)]
+    out = []
+    for i in range(n):
+        ids = tokenizer.encode(texts[i % len(texts)])
+        out.append(ids[:num_tokens])
+    return out
+
+
+def time_specserve(llm: LLM, prompts, max_tokens: int) -> tuple[float, float]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    n = sum(len(o.token_ids) for o in outs)
+    passes = sum(o.stats.num_target_passes for o in outs)
+    return n / elapsed, n / max(passes, 1)
+
+
+def time_hf(model, prompts, max_tokens: int, assistant=None) -> float:
+    gen = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    if assistant is not None:
+        gen["assistant_model"] = assistant
+    model.generate(torch.tensor([prompts[0]]), **{**gen, "max_new_tokens": 4, "min_new_tokens": 4})
+    start = time.perf_counter()
+    n = 0
+    for p in prompts:  # request by request: transformers has no continuous batching
+        out = model.generate(torch.tensor([p]), **gen)
+        n += out.shape[1] - len(p)
+    return n / (time.perf_counter() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default=str(ASSETS_DIR / "tiny-target"))
+    ap.add_argument("--draft", default=str(ASSETS_DIR / "tiny-draft"))
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--depths", type=int, nargs="*", default=[])
+    ap.add_argument("--trees", action="store_true", help="also a fixed [3,2,1] and a dynamic tree")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    rows = []
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    base = LLM(target=args.target, draft="none", dtype="float32", progress=False)
+    tok = base.tokenizer
+    hf = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    hf_draft = None
+    if args.draft and Path(args.draft).is_dir():
+        hf_draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
+    settings = [("specserve, no speculation", dict(draft="none"))]
+    if hf_draft is not None:
+        settings += [(f"specserve, chain depth {d}", dict(draft=args.draft, spec_mode="static", spec_depth=d))
+                     for d in args.depths]
+        if args.trees:
+            settings += [
+                ("specserve, fixed tree [3,2,1]", dict(draft=args.draft, spec_mode="static", spec_depth=3,
+                                                       spec_tree="fixed", spec__branching=[3, 2, 1])),
+                ("specserve, dynamic tree 12 nodes", dict(draft=args.draft, spec_mode="static", spec_depth=4,
+                                                          spec_tree="dynamic", spec__num_nodes=12, spec__topk=3)),
+            ]
+        settings.append(("specserve, adaptive", dict(draft=args.draft, spec_mode="adaptive")))
+    total = len(args.batch) * (len(settings) + 1 + (hf_draft is not None))
+    bar = tqdm(total=total, desc="bench")
+    for batch in args.batch:
+        prompts = held_out_prompts(batch, args.prompt_tokens, tok)
+        for name, kw in settings:
+            llm = base if kw == dict(draft="none") else LLM(target=args.target, dtype="float32", progress=False, **kw)
+            tps, per_pass = time_specserve(llm, prompts, args.max_tokens)
+            rows.append(dict(engine=name, batch=batch, tokens_per_s=tps, tokens_per_pass=per_pass))
+            bar.update(1)
+        rows.append(dict(engine="transformers generate (request by request)", batch=batch,
+                         tokens_per_s=time_hf(hf, prompts, args.max_tokens), tokens_per_pass=1.0))
+        bar.update(1)
+        if hf_draft is not None:
+            rows.append(dict(engine="transformers assisted generation (request by request)", batch=batch,
+                             tokens_per_s=time_hf(hf, prompts, args.max_tokens, assistant=hf_draft),
+                             tokens_per_pass=None))
+            bar.update(1)
+    bar.close()
+    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    print(f"\nmachine: {machine}; commit {commit}; prompts {args.prompt_tokens} tokens, {args.max_tokens} generated, greedy")
+    print("| engine | batch | tokens/s | tokens per target pass |\n|---|---|---|---|")
+    for r in rows:
+        tpp = f"{r['tokens_per_pass']:.2f}" if r["tokens_per_pass"] else "-"
+        print(f"| {r['engine']} | {r['batch']} | {r['tokens_per_s']:.1f} | {tpp} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(machine=machine, commit=commit, rows=rows), indent=2))
+
+
+if __name__ == "__main__":
+    main()
