@@ -75,6 +75,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stats.finish_time = time.monotonic()
+        self._cache_blocks(request)  # a request finishing in its first step still fills the cache
         self._free_blocks(request)
 
     # -- one step ------------------------------------------------------------------------
@@ -116,7 +117,10 @@ class Scheduler:
                 req.stats.num_cached_tokens = max(req.stats.num_cached_tokens, num_cached)
             num_new = req.num_tokens - req.num_computed_tokens
             if num_new > budget:
-                if not self.config.enable_chunked_prefill:
+                # Without chunking a prompt waits for a step with room for all of it; one longer
+                # than the whole budget (or a preempted request's prompt + output) never gets
+                # one, so it is chunked anyway rather than left waiting forever.
+                if not self.config.enable_chunked_prefill and num_new <= self.config.max_num_batched_tokens:
                     break
                 num_new = budget
             if not self._reserve(req, req.num_computed_tokens + num_new):
@@ -138,8 +142,12 @@ class Scheduler:
         if len(request.block_table) > keep:
             self.pool.free(request.block_table[keep:])
             del request.block_table[keep:]
-        if self.pool.enable_prefix_caching:
-            num_valid = request.num_computed_tokens
+        self._cache_blocks(request)
+
+    def _cache_blocks(self, request: Request) -> None:
+        if self.pool.enable_prefix_caching and request.block_table:
+            # Capped by num_tokens: a step cut short by a stop drops tokens it had computed.
+            num_valid = min(request.num_computed_tokens, request.num_tokens)
             if self.has_draft_kv:
                 num_valid = min(num_valid, request.num_draft_computed_tokens)
             self.pool.cache_blocks(request.block_hashes, request.block_table, request.token_ids, num_valid)
