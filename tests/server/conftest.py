@@ -4,6 +4,7 @@ with the official synchronous `openai` client (or raw aiohttp) from the test thr
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -86,8 +87,16 @@ def server_target(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def server_draft(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("server_draft"), "llama", seed=1, num_hidden_layers=1)
+def server_draft(tmp_path_factory, server_target):
+    """The target with noise on its lm_head: a draft that is right often but not always (about
+    a third of draft tokens accepted at depth 3), so streams see both accepted runs and rejections."""
+    draft = tmp_path_factory.mktemp("server_draft") / "draft"
+    shutil.copytree(server_target, draft)
+    weights = load_file(str(draft / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    weights["lm_head.weight"] += 0.05 * torch.randn(weights["lm_head.weight"].shape, generator=g)
+    save_file(weights, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    return draft
 
 
 @pytest.fixture(scope="module")

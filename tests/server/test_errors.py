@@ -1,0 +1,125 @@
+"""Every bad request gets its status and a JSON error body naming the field, and the server
+keeps serving: a good request after each bad one succeeds."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from specserve.engine import LLMEngine
+from tests.server.conftest import ServerThread, engine_config, wait_until
+
+
+def post(srv, path: str, body, raw: bool = False) -> tuple[int, dict, dict]:
+    data = body if raw else json.dumps(body).encode()
+    req = urllib.request.Request(srv.url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def assert_error(status, body, want_status, param=None, contains=()):
+    assert status == want_status, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param, err
+    for s in contains:
+        assert s in err["message"], err["message"]
+
+
+@pytest.fixture(scope="module")
+def srv(server_target):
+    cfg = engine_config(server_target, "ngram", max_waiting_requests=1, max_num_seqs=1)
+    s = ServerThread(LLMEngine(cfg, progress=False), cfg)
+    s.model = server_target.name
+    yield s
+    s.stop()
+
+
+def good(srv):
+    status, _, body = post(srv, "/completions", {"model": srv.model, "prompt": "The dog", "max_tokens": 4,
+                                                 "temperature": 0})
+    assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+CASES = [
+    # (path, body, status, param, message fragments)
+    ("/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", ["temperature", "[0, 100]"]),
+    ("/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", ["'hot'"]),
+    ("/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", ["(0, 1]"]),
+    ("/completions", {"prompt": "x", "top_k": -2}, 400, "top_k", ["top_k"]),
+    ("/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", [">= 1"]),
+    ("/chat/completions", {"messages": CHAT, "max_completion_tokens": "5"}, 400, "max_completion_tokens",
+     ["max_completion_tokens"]),
+    ("/completions", {"prompt": "x", "n": 0}, 400, "n", ["[1, 64]"]),
+    ("/completions", {"prompt": "x", "seed": 1.5}, 400, "seed", ["seed"]),
+    ("/completions", {"prompt": "x", "stop": [""]}, 400, "stop", ["non-empty"]),
+    ("/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", ["true or false"]),
+    ("/completions", {"prompt": "x", "ignore_eos": 1}, 400, "ignore_eos", ["true or false"]),
+    ("/completions", {"prompt": {"a": 1}}, 400, "prompt", ["prompt must be"]),
+    ("/completions", {"prompt": [1, 2, 100000]}, 400, "prompt", ["[0, 400)"]),
+    ("/completions", {"prompt": ""}, 400, "prompt", ["empty"]),
+    ("/chat/completions", {"messages": []}, 400, "messages", ["non-empty"]),
+    ("/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", ["int"]),
+    ("/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "messages[0].content", ["text part"]),
+    ("/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model", ["gpt-9", "does not exist"]),
+    # context: 256 tokens
+    ("/completions", {"prompt": list(range(3, 303))}, 400, "prompt", ["maximum context length is 256"]),
+    ("/completions", {"prompt": "x", "max_tokens": 1000}, 400, "max_tokens", ["maximum context length is 256"]),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "word " * 300}]}, 400, "messages",
+     ["maximum context length is 256"]),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,contains", CASES, ids=[f"{c[3]}-{i}" for i, c in enumerate(CASES)])
+def test_bad_request_then_good(srv, path, body, status, param, contains):
+    body = {"model": srv.model, **body} if "model" not in body else body
+    got_status, _, got = post(srv, path, body)
+    assert_error(got_status, got, status, param, contains)
+    good(srv)
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+def test_invalid_json_body(srv, raw):
+    status, _, body = post(srv, "/completions", raw, raw=True)
+    assert status == 400 and body["error"]["type"] == "invalid_request_error", body
+    good(srv)
+
+
+def test_unknown_route_is_a_json_404(srv):
+    status, _, body = post(srv, "/embeddings", {"input": "x"})
+    assert status == 404 and "error" in body
+
+
+def test_queue_full_is_429_with_retry_after(srv):
+    """max_num_seqs = 1, max_waiting_requests = 1: one running, one waiting, the third is refused."""
+    import openai
+
+    client = openai.OpenAI(base_url=srv.url, api_key="x", max_retries=0)
+    first = client.completions.create(model=srv.model, prompt="a", max_tokens=200, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+    next(iter(first))  # the first request is running
+    results = {}
+
+    def second():
+        results["second"] = client.completions.create(model=srv.model, prompt="b", max_tokens=8, temperature=0)
+
+    t = threading.Thread(target=second)
+    t.start()
+    assert wait_until(lambda: len(srv.engine.scheduler.waiting) == 1)
+    status, headers, body = post(srv, "/completions", {"model": srv.model, "prompt": "c", "max_tokens": 4})
+    assert_error(status, body, 429, None, ["waiting"])
+    assert body["error"]["type"] == "rate_limit_error" and headers["Retry-After"] == "1"
+    first.close()  # the running request is aborted; the waiting one runs
+    t.join(60)
+    assert results["second"].usage.completion_tokens == 8
+    good(srv)
