@@ -15,6 +15,7 @@ its KV blocks at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -345,7 +346,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             return e.response()
         if stream:
             return await _stream(request, run, firsts, include_usage)
-        return await _complete(run, firsts)
+        try:
+            return await _complete(run, firsts)
+        except EngineDeadError as e:
+            return ApiError(503, str(e), type="service_unavailable", code="engine_dead").response()
     finally:
         await run.close()
         state.num_inflight -= 1
@@ -359,9 +363,10 @@ def _header(run: _Run) -> dict:
 
 async def _complete(run: _Run, firsts: list[RequestOutput]) -> web.Response:
     final = {i: out for i, out in enumerate(firsts) if out.finished}
-    async for i, out in run.rest(firsts):
-        if out.finished:
-            final[i] = out
+    async with contextlib.aclosing(run.rest(firsts)) as outputs:
+        async for i, out in outputs:
+            if out.finished:
+                final[i] = out
     choices = []
     for i, c in enumerate(run.choices):
         out = final[i]
@@ -406,9 +411,11 @@ async def _stream(request: web.Request, run: _Run, firsts: list[RequestOutput], 
         for i, out in enumerate(firsts):
             if (data := event(i, out)) is not None:
                 await resp.write(data)
-        async for i, out in run.rest(firsts):
-            if (data := event(i, out)) is not None:
-                await resp.write(data)
+        # aclosing: leaving early (a failed write) stops the pumps of n > 1 before run.close()
+        async with contextlib.aclosing(run.rest(firsts)) as outputs:
+            async for i, out in outputs:
+                if (data := event(i, out)) is not None:
+                    await resp.write(data)
         if include_usage:
             await resp.write(b"data: " + _json.encode({**header, "object": obj, "choices": [],
                                                        "usage": run.usage()}) + b"\n\n")

@@ -93,18 +93,19 @@ def record_finishes(srv) -> dict[str, str]:
     return finishes
 
 
-def test_disconnect_mid_stream_frees_blocks(server, server_target):
+@pytest.mark.parametrize("n", [1, 3])
+def test_disconnect_mid_stream_frees_blocks(server, server_target, n):
     engine = server.engine
     free_before = engine.pool.num_free_blocks
     finishes = record_finishes(server)
     body = {"model": server_target.name, "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+            "stream": True, "ignore_eos": True, "n": n}
     events = asyncio.run(_read_some_then_disconnect(server.url + "/completions", body, 3))
     assert all(e.startswith(b"data: {") for e in events)
     assert wait_until(lambda: not engine.requests and not engine.scheduler.running, timeout=10)
     assert wait_until(lambda: engine.pool.num_free_blocks == free_before, timeout=10)
     engine.pool.check_all_free()
-    assert list(finishes.values()) == ["abort"]
+    assert list(finishes.values()) == ["abort"] * n
     # the server goes on serving
     out = server.client().completions.create(model=server_target.name, prompt="Hi", max_tokens=3, temperature=0)
     assert out.usage.completion_tokens == 3
@@ -255,3 +256,30 @@ def test_sigterm_finishes_streams_and_exits(server_target):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_dead_engine_is_503_everywhere(server_target):
+    cfg = engine_config(server_target, "none")
+    srv = ServerThread(LLMEngine(cfg, progress=False), cfg)
+    model = server_target.name
+    try:
+        client = srv.client()
+        stream = iter(client.completions.create(model=model, prompt="Once", max_tokens=200, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        next(stream)
+
+        def broken_step():
+            raise RuntimeError("simulated device failure")
+
+        srv.engine.step = broken_step
+        with pytest.raises(openai.APIError) as e:  # the stream reports the error, then [DONE]
+            list(stream)
+        assert "simulated device failure" in str(e.value)
+        with pytest.raises(urllib.error.HTTPError) as h:
+            urllib.request.urlopen(srv.base + "/health")
+        assert h.value.code == 503
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model=model, prompt="x", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.body["code"] == "engine_dead"
+    finally:
+        srv.stop()
