@@ -1,0 +1,282 @@
+"""Speculative decoding never changes greedy output (float64): for every drafter (the
+target itself, a weaker noisy copy, a random model, n-gram lookup), chain depths 1-8,
+fixed and dynamic trees, batches, preemption, prefix caching, and stops that land in the
+middle of an accepted run. Also: blocks all come back after aborts mid-speculation, and
+the speculative counters add up."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specserve import LLM, SamplingParams
+from specserve.spec import SpecTotals
+from tests.checkpoints import make_checkpoint
+
+PROMPTS = [
+    [5, 6, 7],
+    [10, 11, 12, 13, 10, 11, 12, 13, 10, 11],  # repeats itself: n-gram lookup finds matches
+    [200 + i for i in range(17)],
+]
+MAX_TOKENS = 14
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+TREE_KW = dict(spec__num_nodes=6, spec__topk=3)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    target = make_checkpoint(root / "target", "llama", dtype=torch.float64)
+    # A weaker draft: the target with noise on every weight (accepts some, rejects some).
+    weak = root / "weak"
+    shutil.copytree(target, weak)
+    sd = load_file(weak / "model.safetensors")
+    g = torch.Generator().manual_seed(5)
+    sd = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in sd.items()}
+    save_file(sd, weak / "model.safetensors", metadata={"format": "pt"})
+    bad = make_checkpoint(root / "bad", "llama", dtype=torch.float64, seed=1, num_hidden_layers=1)
+    return {"target": target, "perfect": target, "weak": weak, "bad": bad}
+
+
+def make_llm(models, draft: str, tree="chain", depth=4, **kw) -> LLM:
+    args = dict(target=str(models["target"]), dtype="float64", device="cpu", progress=False,
+                num_blocks=128, block_size=4)
+    if draft in ("none", "ngram"):
+        args["draft"] = draft
+    else:
+        args["draft"] = str(models[draft])
+    if draft != "none":
+        args.update(spec_mode="static", spec_depth=depth, spec_tree=tree)
+        if tree == "fixed":
+            args["spec__branching"] = kw.pop("branching", [3, 2, 1])
+        args.update(TREE_KW)
+    args.update(kw)
+    return LLM(**args)
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """Target-only greedy outputs."""
+    llm = make_llm(models, "none")
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def check_stats(llm, outs, perfect_chain=False):
+    totals = llm.engine.spec.totals
+    drafts = sum(o.stats.num_drafts for o in outs)
+    drafted = sum(o.stats.num_draft_tokens for o in outs)
+    accepted = sum(o.stats.num_accepted_tokens for o in outs)
+    assert (totals.num_drafts, totals.num_draft_tokens, totals.num_accepted_tokens) == (drafts, drafted, accepted)
+    assert drafts > 0, "no speculation happened"
+    for o in outs:
+        s = o.stats
+        assert s.num_accepted_tokens <= s.num_draft_tokens
+        assert sum(s.accepted_per_position) == s.num_accepted_tokens
+        # Position k can only be accepted when position k-1 was.
+        assert all(a >= b for a, b in zip(s.accepted_per_position, s.accepted_per_position[1:]))
+        if s.accepted_per_position:
+            assert s.accepted_per_position[0] <= s.num_drafts
+        if perfect_chain:
+            assert s.num_accepted_tokens == s.num_draft_tokens
+    per_pos = [sum(o.stats.accepted_per_position[k] if k < len(o.stats.accepted_per_position) else 0 for o in outs)
+               for k in range(len(totals.accepted_per_position))]
+    assert per_pos == totals.accepted_per_position
+    assert totals.num_emitted_tokens == accepted + totals.num_verify_passes
+
+
+def run_and_compare(llm, reference, prompts=PROMPTS, params=GREEDY):
+    outs = llm.generate(prompts, params)
+    for i, (o, ref) in enumerate(zip(outs, reference)):
+        assert o.token_ids == ref, f"prompt {i}: speculation changed the greedy output"
+        assert o.finish_reason == "length"
+    llm.engine.pool.check_all_free()
+    return outs
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_chain_perfect_draft(models, reference, depth):
+    llm = make_llm(models, "perfect", depth=depth)
+    outs = run_and_compare(llm, reference)
+    check_stats(llm, outs, perfect_chain=True)
+    # Every verify pass accepts the whole chain: depth + 1 tokens per target pass.
+    assert llm.engine.spec.totals.mean_tokens_per_pass == depth + 1
+    assert llm.engine.spec.totals.accepted_per_position == [llm.engine.spec.totals.num_drafts] * depth
+
+
+@pytest.mark.parametrize("draft,depth", [("weak", 1), ("weak", 3), ("weak", 8), ("bad", 2), ("bad", 5)])
+def test_chain_imperfect_drafts(models, reference, draft, depth):
+    llm = make_llm(models, draft, depth=depth)
+    outs = run_and_compare(llm, reference)
+    check_stats(llm, outs)
+    totals = llm.engine.spec.totals
+    assert totals.num_accepted_tokens < totals.num_draft_tokens, "an imperfect draft was never rejected?"
+
+
+def test_weak_draft_is_partly_accepted(models, reference):
+    llm = make_llm(models, "weak", depth=4)
+    run_and_compare(llm, reference)
+    totals = llm.engine.spec.totals
+    assert 0 < totals.num_accepted_tokens < totals.num_draft_tokens
+
+
+@pytest.mark.parametrize("depth", [1, 3, 6])
+def test_ngram_drafter(models, reference, depth):
+    llm = make_llm(models, "ngram", depth=depth)
+    outs = run_and_compare(llm, reference)
+    check_stats(llm, outs)
+
+
+@pytest.mark.parametrize("draft", ["perfect", "weak", "bad"])
+@pytest.mark.parametrize("branching", [[3, 2, 1], [4, 2, 2, 1]])
+def test_fixed_tree(models, reference, draft, branching):
+    llm = make_llm(models, draft, tree="fixed", depth=len(branching), branching=branching)
+    outs = run_and_compare(llm, reference)
+    check_stats(llm, outs)
+    totals = llm.engine.spec.totals
+    n = sum(branching[0] * 1 for _ in [0])
+    assert totals.num_draft_tokens <= totals.num_drafts * (3 + 6 + 6 if branching == [3, 2, 1] else 44)
+    if draft == "perfect":
+        # The draft's top-1 path is in the tree and is the target's argmax path.
+        assert totals.mean_tokens_per_pass == len(branching) + 1
+        assert n > 0
+
+
+@pytest.mark.parametrize("draft", ["perfect", "weak", "bad"])
+def test_dynamic_tree(models, reference, draft):
+    llm = make_llm(models, draft, tree="dynamic", depth=4)
+    outs = run_and_compare(llm, reference)
+    check_stats(llm, outs)
+    totals = llm.engine.spec.totals
+    assert totals.num_draft_tokens <= totals.num_drafts * TREE_KW["spec__num_nodes"]
+    if draft == "perfect":
+        assert totals.mean_tokens_per_pass > 2.0
+
+
+def test_mixed_batch_greedy_and_sampled(models, reference):
+    """Sampled neighbours in the same verify pass do not disturb greedy requests."""
+    llm = make_llm(models, "weak", depth=3)
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=20, seed=3, ignore_eos=True)
+    outs = llm.generate(PROMPTS + PROMPTS[:2], [GREEDY] * 3 + [sampled] * 2)
+    assert [o.token_ids for o in outs[:3]] == reference
+    assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
+    llm.engine.pool.check_all_free()
+
+
+@pytest.mark.parametrize("tree", ["chain", "fixed", "dynamic"])
+def test_preemption_and_prefix_cache(models, reference, tree):
+    # 3 prompts of 17, 24 and 31 tokens (19 blocks of 4) plus speculation scratch, in 10 blocks.
+    llm = make_llm(models, "weak" if tree == "chain" else "perfect", tree=tree, depth=3,
+                   num_blocks=10, enable_prefix_caching=True)
+    run_and_compare(llm, reference)
+    assert llm.engine.scheduler.num_preemptions > 0
+    # Again: the prompts' blocks are in the prefix cache now (both models' KV).
+    llm.engine.spec.totals = SpecTotals()
+    outs = run_and_compare(llm, reference)
+    assert llm.engine.pool.prefix_cache_hit_tokens > 0
+    assert any(o.stats.num_cached_tokens > 0 for o in outs)
+    check_stats(llm, outs)
+
+
+def test_prefix_cache_shared_prefix_with_draft(models):
+    shared = [300 + i for i in range(13)]
+    prompts = [shared + [1 + i] for i in range(3)]
+    ref = [o.token_ids for o in make_llm(models, "none").generate(prompts, GREEDY)]
+    llm = make_llm(models, "weak", tree="fixed", depth=3, enable_prefix_caching=True)
+    llm.generate([shared + [50]], GREEDY)
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.engine.pool.prefix_cache_hit_tokens > 0
+    assert [o.token_ids for o in outs] == ref
+    llm.engine.pool.check_all_free()
+
+
+# -- stops in the middle of an accepted run ---------------------------------------------
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 11])
+def test_max_tokens_inside_an_accepted_run(models, reference, max_tokens):
+    llm = make_llm(models, "perfect", depth=4)  # runs of 5 tokens: 7 and 11 end mid-run
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r[:max_tokens] for r in reference]
+    assert all(o.finish_reason == "length" for o in outs)
+    llm.engine.pool.check_all_free()
+
+
+def test_stop_string_inside_an_accepted_run(models):
+    base = make_llm(models, "none")
+    prompt = PROMPTS[2]
+    ref = base.generate([prompt], GREEDY)[0]
+    ascii_at = [i for i, c in enumerate(ref.text) if c.isascii() and c.isalnum()]
+    assert len(ascii_at) >= 3
+    for tree in ("chain", "fixed"):
+        llm = make_llm(models, "perfect", tree=tree, depth=4)
+        for i in (ascii_at[1], ascii_at[-1]):
+            stop = ref.text[i]
+            params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[stop], ignore_eos=True)
+            alone = base.generate([prompt], params)[0]
+            out = llm.generate([prompt], params)[0]
+            assert out.text == alone.text == ref.text[: ref.text.find(stop)]
+            assert out.token_ids == alone.token_ids and out.finish_reason == alone.finish_reason == "stop"
+        llm.engine.pool.check_all_free()
+
+
+def test_eos_inside_an_accepted_run(models, reference, tmp_path):
+    ref = reference[2]
+    idx = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i])
+    tok = ref[idx]
+    idx2 = next(i for i in range(idx + 1, len(ref)) if ref[i] not in ref[:i])
+    ckpt = tmp_path / "eos"
+    shutil.copytree(models["target"], ckpt)
+    gen_file = Path(ckpt) / "generation_config.json"
+    gen = json.loads(gen_file.read_text())
+    gen["eos_token_id"] = [1, tok]
+    gen_file.write_text(json.dumps(gen))
+    for tree, draft in (("chain", "eos"), ("fixed", "eos"), ("chain", "ngram")):
+        llm = LLM(target=str(ckpt), draft=str(ckpt) if draft == "eos" else draft, dtype="float64", device="cpu",
+                  progress=False, num_blocks=64, block_size=4, spec_mode="static", spec_depth=4, spec_tree=tree,
+                  spec__branching=[3, 2, 1])
+        out = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0]
+        assert out.token_ids == ref[: idx + 1] and out.finish_reason == "stop"
+        out = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                          stop_token_ids=[ref[idx2]], ignore_eos=True))[0]
+        assert out.token_ids == ref[: idx2 + 1] and out.finish_reason == "stop"
+        llm.engine.pool.check_all_free()
+
+
+# -- aborts --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tree", ["chain", "dynamic"])
+def test_abort_mid_speculation_frees_every_block(models, reference, tree):
+    llm = make_llm(models, "weak", tree=tree, depth=3, enable_prefix_caching=True)
+    eng = llm.engine
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"r{i}", p, GREEDY)
+    for _ in range(3):
+        eng.step()
+    assert eng.spec.totals.num_drafts > 0, "speculation had not started"
+    eng.abort_request("r1")
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert outs["r1"].finish_reason == "abort"
+    assert outs["r0"].token_ids == reference[0] and outs["r2"].token_ids == reference[2]
+    eng.pool.check_all_free()
+    # Abort everything mid-speculation.
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"s{i}", p, GREEDY)
+    for _ in range(3):
+        eng.step()
+    for i in range(3):
+        eng.abort_request(f"s{i}")
+    assert not eng.has_unfinished_requests()
+    aborted = eng.step()
+    assert sorted(o.request_id for o in aborted) == ["s0", "s1", "s2"] and all(o.finish_reason == "abort" for o in aborted)
+    eng.pool.check_all_free()
+    eng.pool.check_consistency()
