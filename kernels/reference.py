@@ -6,6 +6,7 @@ They are the ground truth the Triton kernels are tested against, and the CPU pat
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from specserve.model.attention import AttentionMetadata
 
@@ -41,8 +42,8 @@ def paged_attention(
     out = torch.empty_like(q)
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    cu = meta.cu_query_lens.tolist()
-    seq_lens = meta.seq_lens.tolist()
+    cu = meta.cu_query_lens_list if meta.cu_query_lens_list is not None else meta.cu_query_lens.tolist()
+    seq_lens = meta.seq_lens_list if meta.seq_lens_list is not None else meta.seq_lens.tolist()
     for i, seq_len in enumerate(seq_lens):
         start, end = cu[i], cu[i + 1]
         q_len = end - start
@@ -51,6 +52,14 @@ def paged_attention(
         ctx_len = seq_len - q_len
         k = gather_kv(k_cache, meta.block_tables[i], seq_len)  # [S, Hkv, D]
         v = gather_kv(v_cache, meta.block_tables[i], seq_len)
+        if q_len == 1 and q.dtype != torch.float64:
+            # Decode: one query sees every key, so no mask; SDPA reads the GQA groups itself.
+            # (float64 keeps the explicit path below: exactness tests want float64 softmax.)
+            out[start:end] = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+                scale=scale, enable_gqa=group > 1,
+            ).transpose(0, 1)
+            continue
         k = k.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)  # [Hq, S, D]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)
         qi = q[start:end].transpose(0, 1)  # [Hq, q_len, D]

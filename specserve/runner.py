@@ -104,6 +104,8 @@ class ModelRunner:
             max_query_len=max_q,
             max_seq_len=max(inp.seq_lens),
             custom_mask=custom_mask,
+            cu_query_lens_list=cu,
+            seq_lens_list=list(inp.seq_lens),
         )
 
     @torch.inference_mode()

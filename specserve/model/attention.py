@@ -21,6 +21,10 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     custom_mask: torch.Tensor | None = None  # [T, max_query_len] bool
+    # Host copies of cu_query_lens / seq_lens (the CPU path loops over sequences; building
+    # them once per forward spares a device->host read in every layer).
+    cu_query_lens_list: list[int] | None = None
+    seq_lens_list: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
