@@ -132,6 +132,8 @@ def _literal_choices(path: list[str]) -> tuple | None:
     """The allowed values of a Literal field at `path`, for error messages."""
     struct_type: Any = EngineConfig
     for part in path:
+        if not (isinstance(struct_type, type) and issubclass(struct_type, Struct)):
+            return None  # inside a list or a scalar: no Literal to list
         fields = {f.name: f.type for f in msgspec.structs.fields(struct_type)}
         struct_type = fields.get(part)
         if struct_type is None:
