@@ -233,7 +233,7 @@ class _Run:
                 raise ApiError(500, "the engine returned no output", type="internal_error")
             if isinstance(r, BaseException):
                 raise r
-        self.state.metrics.prompt_tokens.inc(sum(len(c.prompt_ids) for c in self.choices))
+        self.state.metrics.prompt_tokens.inc(self.usage()["prompt_tokens"])
         for i, out in enumerate(results):
             self.observe(i, out)
         return results
@@ -248,7 +248,7 @@ class _Run:
             else:
                 m.observe_tokens(k, now - self.last_time[i])
             self.last_time[i] = now
-            self.num_tokens[i] += k
+        self.num_tokens[i] = len(out.token_ids)  # all so far, after any cut at a stop string
         if out.finished:
             m.e2e_request_latency.observe(now - self.arrival)
 
