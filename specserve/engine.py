@@ -315,6 +315,11 @@ class EngineDeadError(RuntimeError):
     """The engine loop died; the server reports 503."""
 
 
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
 class AsyncEngine:
     """The engine on a worker thread: steps run off the event loop, so streaming, health
     and metrics stay responsive while a step computes. Requests enter and leave through a
@@ -361,20 +366,23 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
-        done = threading.Event()
-        result: list = []
-        self._commands.put(("add", (request_id, prompt, params), done, result))
+        added = self._loop.create_future()  # resolved by the engine thread: None or the error
+        self._commands.put(("add", (request_id, prompt, params), added, None))
         self._wake.set()
         finished = False
         try:
             # Inside the try: a caller cancelled while the add is pending still aborts it.
             # Polling: an engine that stops before draining the add must not hang the caller.
-            while not await asyncio.to_thread(done.wait, 0.5):
-                if not self.is_alive:
-                    raise EngineDeadError(f"the engine is not running: {self.error!r}")
-            if result and isinstance(result[0], BaseException):
+            while True:
+                try:
+                    error = await asyncio.wait_for(asyncio.shield(added), 0.5)
+                    break
+                except asyncio.TimeoutError:
+                    if not self.is_alive:
+                        raise EngineDeadError(f"the engine is not running: {self.error!r}") from None
+            if error is not None:
                 finished = True  # never added: nothing to abort (and the id may be another request's)
-                raise result[0]
+                raise error
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -399,11 +407,12 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
+                error = None
                 try:
                     self.engine.add_request(*arg)
                 except Exception as e:  # a bad request never harms the others
-                    result.append(e)
-                done.set()
+                    error = e
+                self._loop.call_soon_threadsafe(_resolve, done, error)
             elif kind == "abort":
                 self.engine.abort_request(arg)
 
