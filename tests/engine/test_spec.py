@@ -280,3 +280,24 @@ def test_abort_mid_speculation_frees_every_block(models, reference, tree):
     assert sorted(o.request_id for o in aborted) == ["s0", "s1", "s2"] and all(o.finish_reason == "abort" for o in aborted)
     eng.pool.check_all_free()
     eng.pool.check_consistency()
+
+
+# -- seeds ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft", ["weak", "ngram"])
+def test_seeded_request_is_batch_independent_with_speculation(models, draft):
+    """A seeded sampled request gives the same tokens alone or next to others whose trees
+    have other sizes. Near the end of the context (max_model_len) its own trees shrink while
+    its neighbours' do not, so the batch's widest tree is not its own."""
+    llm = make_llm(models, draft, depth=4, max_model_len=24)
+    mine = SamplingParams(max_tokens=14, temperature=0.9, seed=77, ignore_eos=True)
+    prompt = [10, 11, 12, 13, 10, 11, 12, 13, 10, 11]
+    alone = llm.generate([prompt], mine)[0].token_ids
+    others = [[20, 21, 20, 21], [30, 31, 30]]
+    other_params = [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                    SamplingParams(max_tokens=20, temperature=0.7, seed=5, ignore_eos=True)]
+    mixed = llm.generate(others + [prompt], other_params + [mine])
+    assert mixed[-1].token_ids == alone
+    assert llm.engine.spec.totals.num_drafts > 0
+    llm.engine.pool.check_all_free()
