@@ -274,9 +274,14 @@ class Speculator:
         rows = logits[row_index.to(dev).flatten()]  # [B * (N + 1), V]
         target_argmax = rows.argmax(dim=-1).view(num_seqs, max_nodes + 1)
         tensors = SamplingTensors.from_params([r.params for r in requests], dev)
-        per_row = lambda t: t.repeat_interleave(max_nodes + 1)  # noqa: E731
-        probs = target_probs(rows, per_row(tensors.temperature), per_row(tensors.top_k), per_row(tensors.top_p))
-        probs = probs.float().view(num_seqs, max_nodes + 1, vocab)
+        if tensors.all_greedy:
+            # Greedy acceptance reads only the argmax: the kernel gets 1-wide placeholders.
+            vocab = 1
+            probs = torch.zeros(num_seqs, max_nodes + 1, 1, dtype=torch.float32, device=dev)
+        else:
+            per_row = lambda t: t.repeat_interleave(max_nodes + 1)  # noqa: E731
+            probs = target_probs(rows, per_row(tensors.temperature), per_row(tensors.top_k), per_row(tensors.top_p))
+            probs = probs.float().view(num_seqs, max_nodes + 1, vocab)
 
         tokens = torch.zeros(num_seqs, max_nodes, dtype=torch.long)
         parents = torch.full((num_seqs, max_nodes), -1, dtype=torch.int32)
@@ -290,13 +295,18 @@ class Speculator:
             tokens[i, :n] = torch.tensor(tree.tokens)
             parents[i, :n] = torch.tensor(tree.parents, dtype=torch.int32)
             is_sampled[i, :n] = torch.tensor(tree.is_sampled)
-            if tree.draft_probs is not None:
+            if tree.draft_probs is not None and vocab > 1:
                 draft_probs[i, :n] = tree.draft_probs.float()
+            # Exactly n + 1 draws per request (one per node, then the bonus, which tree_accept
+            # reads at column max_nodes): a seeded request's stream must not depend on how
+            # wide the other trees in the batch are.
             gen = s.request.generator
             if gen is not None:
-                uniforms[i] = torch.rand(max_nodes + 1, generator=gen, device=gen.device).cpu()
+                u = torch.rand(n + 1, generator=gen, device=gen.device).cpu()
             else:
-                uniforms[i] = torch.rand(max_nodes + 1)
+                u = torch.rand(n + 1)
+            uniforms[i, :n] = u[:n]
+            uniforms[i, n:] = u[n]
         accepted, num_accepted, bonus = ops.tree_accept(
             probs, target_argmax, draft_probs, tokens.to(dev), parents.to(dev), is_sampled.to(dev),
             num_nodes.to(dev), is_greedy.to(dev), uniforms.to(dev),
