@@ -116,13 +116,20 @@ class ModelDrafter:
     def _expand(self, active, parents, logits, shape: TreeShape, depth: int) -> None:
         """Children of each active sequence's frontier nodes. `parents[i]` lists the nodes whose
         logits rows (in order) belong to sequence i; logits: [sum of those, V]."""
-        params = [g.req.params for g in active for _ in parents[active.index(g)]]
+        params = [g.req.params for g, plist in zip(active, parents) for _ in plist]
         tensors = SamplingTensors.from_params(params, logits.device)
-        q = target_probs(logits, tensors.temperature, tensors.top_k, tensors.top_p)  # [R, V]
         width = 1 if shape.kind == "chain" else (
             shape.branching[depth - 1] if shape.kind == "fixed" else shape.topk)
-        if shape.kind == "chain":
-            gens = [g.req.generator for g in active for _ in parents[active.index(g)]]
+        if tensors.all_greedy:
+            # Greedy requests: the draft's own softmax ranks children (no top-k/top-p to apply).
+            q = None if shape.kind == "chain" else torch.softmax(logits.float(), dim=-1)
+        else:
+            q = target_probs(logits, tensors.temperature, tensors.top_k, tensors.top_p)  # [R, V]
+        if shape.kind == "chain" and q is None:
+            chosen = logits.argmax(dim=-1).tolist()
+            top_p_vals = [1.0] * len(chosen)  # a chain needs no path probabilities
+        elif shape.kind == "chain":
+            gens = [g.req.generator for g, plist in zip(active, parents) for _ in plist]
             chosen = sample(logits, tensors.temperature, tensors.top_k, tensors.top_p, gens).tolist()
             top_p_vals = q.gather(1, torch.tensor(chosen, device=q.device)[:, None]).squeeze(1).tolist()
         else:

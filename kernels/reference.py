@@ -60,15 +60,25 @@ def paged_attention(
                 scale=scale, enable_gqa=group > 1,
             ).transpose(0, 1)
             continue
+        visible = meta.scratch.get(("visible", i))  # [q_len, S]: the same in every layer
+        if visible is None:
+            visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device)
+            if meta.custom_mask is not None:
+                visible[:, ctx_len:] = meta.custom_mask[start:end, :q_len]
+            else:
+                visible[:, ctx_len:] = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).tril()
+            meta.scratch[("visible", i)] = visible
+        if q.dtype != torch.float64:
+            out[start:end] = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
+                attn_mask=visible, scale=scale, enable_gqa=group > 1,
+            ).transpose(0, 1)
+            continue
+        # The explicit computation (float64: the exactness tests want a float64 softmax).
         k = k.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)  # [Hq, S, D]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)
         qi = q[start:end].transpose(0, 1)  # [Hq, q_len, D]
         scores = torch.matmul(qi, k.transpose(1, 2)) * scale  # [Hq, q_len, S]
-        visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device)
-        if meta.custom_mask is not None:
-            visible[:, ctx_len:] = meta.custom_mask[start:end, :q_len]
-        else:
-            visible[:, ctx_len:] = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~visible, float("-inf"))
         # float64 models stay float64 (the exactness tests); everything else softmaxes in fp32.
         probs = torch.softmax(scores.to(torch.float64 if q.dtype == torch.float64 else torch.float32), dim=-1)
@@ -116,8 +126,10 @@ def tree_accept_reference(
         n = int(num_nodes[b])
         greedy = bool(is_greedy[b])
         cur, row, path = -1, 0, []
-        p = target_probs[b, 0].float().clone()
-        mass = p.sum()
+        p = mass = None
+        if not greedy:  # greedy rows never read probabilities
+            p = target_probs[b, 0].float().clone()
+            mass = p.sum()
         # Parents come before children, so one scan in index order visits the children of
         # the current node in order, and the children of an accepted node after it.
         for c in range(n):
@@ -143,8 +155,9 @@ def tree_accept_reference(
             if ok:
                 path.append(c)
                 cur, row = c, c + 1
-                p = target_probs[b, row].float().clone()
-                mass = p.sum()
+                if not greedy:
+                    p = target_probs[b, row].float().clone()
+                    mass = p.sum()
         if greedy:
             bonus[b] = int(target_argmax[b, row])
         else:

@@ -98,8 +98,10 @@ def _tree_accept_kernel(
             x = tl.load(tokens_ptr + b * N + c)
             u = tl.load(uniforms_ptr + b * (N + 1) + c)
             sampled = tl.load(is_sampled_ptr + b * N + c) != 0
-            p_x = tl.load(work + x)
             ok = tl.full([], 0, tl.int1)
+            p_x = tl.full([], 0.0, tl.float32)
+            if not greedy:  # greedy rows never touch probabilities (callers may pass V = 1 dummies)
+                p_x = tl.load(work + x)
             if greedy:
                 ok = x == tl.load(target_argmax_ptr + b * (N + 1) + row)
             elif sampled:

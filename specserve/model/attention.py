@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,9 @@ class AttentionMetadata:
     # them once per forward spares a device->host read in every layer).
     cu_query_lens_list: list[int] | None = None
     seq_lens_list: list[int] | None = None
+    # Per-forward scratch of the CPU path (e.g. each sequence's visibility mask, built in the
+    # first layer and reused by the others).
+    scratch: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -169,3 +169,16 @@ def test_reference_is_lossless(tree):
     empirical = first_token_distribution(tree, draft, target_root, num_samples, seed=1234)
     tv = 0.5 * (empirical - target_root).abs().sum().item()
     assert tv < 0.06, f"TV {tv:.3f}: empirical {empirical.tolist()} target {target_root.tolist()}"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_all_greedy_batch_takes_one_wide_placeholders(seed):
+    """Greedy acceptance reads only the argmax, so the engine passes [B, N+1, 1] / [B, N, 1]
+    placeholders instead of building probabilities; the result must not change."""
+    inputs = make_batch([CHAIN, TOPK_TREE, MIXED_TREE, ONE_NODE], vocab=37, greedy_flags=[True] * 4, seed=seed)
+    full = tree_accept_reference(*inputs)
+    target_probs, target_argmax, draft_probs, *rest = inputs
+    slim = (torch.zeros(*target_probs.shape[:2], 1), target_argmax, torch.zeros(*draft_probs.shape[:2], 1), *rest)
+    for got in (tree_accept(*slim), tree_accept_reference(*slim)):
+        for a, b in zip(got, full):
+            assert torch.equal(a.cpu(), b.cpu())
