@@ -301,3 +301,36 @@ def test_seeded_request_is_batch_independent_with_speculation(models, draft):
     assert mixed[-1].token_ids == alone
     assert llm.engine.spec.totals.num_drafts > 0
     llm.engine.pool.check_all_free()
+
+
+# -- the draft's KV ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tree,kw", [
+    ("chain", {}),
+    ("fixed", {"branching": [3, 2, 1]}),
+    ("fixed", {"branching": [1, 1, 1]}),
+    ("dynamic", {"spec__num_nodes": 3, "spec__topk": 3}),
+    ("dynamic", {"spec__num_nodes": 3, "spec__topk": 2}),  # a chain-shaped result would have been fed as [a, b, a1]
+    ("dynamic", {}),
+])
+def test_draft_kv_it_claims_is_right(models, tree, kw):
+    """With the target as its own draft, every position the draft claims to have computed
+    (num_draft_computed_tokens) holds exactly the target's K/V there."""
+    llm = make_llm(models, "perfect", tree=tree, depth=3, **kw)
+    eng = llm.engine
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"r{i}", p, GREEDY)
+    bs = eng.pool.block_size
+    checked = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        for req in eng.scheduler.running:
+            n = min(req.num_computed_tokens, req.num_draft_computed_tokens)
+            slots = torch.tensor([req.block_table[p // bs] * bs + p % bs for p in range(n)])
+            for (tk, tv), (dk, dv) in zip(eng.target.kv_caches, eng.draft.kv_caches):
+                tk, dk = tk.flatten(0, 1)[slots], dk.flatten(0, 1)[slots]
+                assert torch.allclose(tk, dk, atol=1e-9), f"{req}: draft K differs from the target's"
+            checked += n
+    assert checked > 0
+    eng.pool.check_all_free()
