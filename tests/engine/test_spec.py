@@ -334,3 +334,38 @@ def test_draft_kv_it_claims_is_right(models, tree, kw):
             checked += n
     assert checked > 0
     eng.pool.check_all_free()
+
+
+# -- other architectures, adaptive depth, odd block sizes and budgets ------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    # head_dim 32 != hidden / heads, q/k norms: the tree-verify pass goes through them too.
+    return make_checkpoint(tmp_path_factory.mktemp("spec_qwen3"), "qwen3", dtype=torch.float64)
+
+
+@pytest.mark.parametrize("tree", ["chain", "fixed", "dynamic"])
+def test_qwen3_speculation(qwen3, tree):
+    kw = dict(target=str(qwen3), dtype="float64", device="cpu", progress=False, num_blocks=64, block_size=4)
+    ref = [o.token_ids for o in LLM(draft="none", **kw).generate(PROMPTS, GREEDY)]
+    llm = LLM(draft=str(qwen3), spec_mode="static", spec_depth=3, spec_tree=tree, spec__branching=[3, 2, 1],
+              spec__num_nodes=6, **kw)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ref
+    assert llm.engine.spec.totals.num_accepted_tokens > 0
+    llm.engine.pool.check_all_free()
+
+
+@pytest.mark.parametrize("tree,block_size,budget,mode", [
+    ("chain", 1, 5, "static"),      # budget caps the tree: pending token + 4 nodes
+    ("fixed", 3, 3, "static"),      # chunked prefill and trees cut by the budget
+    ("dynamic", 16, 2048, "adaptive"),
+    ("chain", 4, 16, "adaptive"),   # the controller mixes plain steps and speculative ones
+])
+def test_block_sizes_budgets_and_adaptive_depth(models, reference, tree, block_size, budget, mode):
+    llm = make_llm(models, "weak" if tree == "chain" else "perfect", tree=tree, depth=4,
+                   block_size=block_size, num_blocks=512 // block_size, max_num_batched_tokens=budget,
+                   spec_mode=mode)
+    outs = run_and_compare(llm, reference)
+    if mode == "static":
+        check_stats(llm, outs)
