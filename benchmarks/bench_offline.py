@@ -27,7 +27,7 @@ from specserve.config import ASSETS_DIR
 
 def held_out_prompts(n: int, num_tokens: int, tokenizer) -> list[list[int]]:
     """Held-out prompts from the embedded pair's corpus when it recorded some, else stdlib text."""
-    file = ASSETS_DIR / "heldout_prompts.jsonl"
+    file = Path(__file__).resolve().parent / "data" / "heldout_prompts.jsonl"  # benchmarks/heldout_prompts.py
     texts = [json.loads(line) for line in file.read_text().splitlines()] if file.is_file() else []
     if not texts:
         import inspect, textwrap, json as _json  # noqa: E401
@@ -39,28 +39,39 @@ def held_out_prompts(n: int, num_tokens: int, tokenizer) -> list[list[int]]:
     return out
 
 
-def time_specserve(llm: LLM, prompts, max_tokens: int) -> tuple[float, float]:
+class Clock:
+    """Wall time and this process's CPU time. With one torch thread the CPU time is what the
+    engine itself costs, whatever else the machine runs (a shared 2-core box here)."""
+
+    def __enter__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+def time_specserve(llm: LLM, prompts, max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    with Clock() as clock:
+        outs = llm.generate(prompts, params)
     n = sum(len(o.token_ids) for o in outs)
     passes = sum(o.stats.num_target_passes for o in outs)
-    return n / elapsed, n / max(passes, 1)
+    return dict(tokens=n, wall_s=clock.wall, cpu_s=clock.cpu, tokens_per_pass=n / max(passes, 1))
 
 
-def time_hf(model, prompts, max_tokens: int, assistant=None) -> float:
+def time_hf(model, prompts, max_tokens: int, assistant=None) -> dict:
     gen = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
     if assistant is not None:
         gen["assistant_model"] = assistant
     model.generate(torch.tensor([prompts[0]]), **{**gen, "max_new_tokens": 4, "min_new_tokens": 4})
-    start = time.perf_counter()
     n = 0
-    for p in prompts:  # request by request: transformers has no continuous batching
-        out = model.generate(torch.tensor([p]), **gen)
-        n += out.shape[1] - len(p)
-    return n / (time.perf_counter() - start)
+    with Clock() as clock:
+        for p in prompts:  # request by request: transformers has no continuous batching
+            out = model.generate(torch.tensor([p]), **gen)
+            n += out.shape[1] - len(p)
+    return dict(tokens=n, wall_s=clock.wall, cpu_s=clock.cpu, tokens_per_pass=None if assistant else 1.0)
 
 
 def main() -> None:
@@ -105,24 +116,23 @@ def main() -> None:
         prompts = held_out_prompts(batch, args.prompt_tokens, tok)
         for name, kw in settings:
             llm = base if kw == dict(draft="none") else LLM(target=args.target, dtype="float32", progress=False, **kw)
-            tps, per_pass = time_specserve(llm, prompts, args.max_tokens)
-            rows.append(dict(engine=name, batch=batch, tokens_per_s=tps, tokens_per_pass=per_pass))
+            rows.append(dict(engine=name, batch=batch, **time_specserve(llm, prompts, args.max_tokens)))
             bar.update(1)
         rows.append(dict(engine="transformers generate (request by request)", batch=batch,
-                         tokens_per_s=time_hf(hf, prompts, args.max_tokens), tokens_per_pass=1.0))
+                         **time_hf(hf, prompts, args.max_tokens)))
         bar.update(1)
         if hf_draft is not None:
             rows.append(dict(engine="transformers assisted generation (request by request)", batch=batch,
-                             tokens_per_s=time_hf(hf, prompts, args.max_tokens, assistant=hf_draft),
-                             tokens_per_pass=None))
+                             **time_hf(hf, prompts, args.max_tokens, assistant=hf_draft)))
             bar.update(1)
     bar.close()
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     print(f"\nmachine: {machine}; commit {commit}; prompts {args.prompt_tokens} tokens, {args.max_tokens} generated, greedy")
-    print("| engine | batch | tokens/s | tokens per target pass |\n|---|---|---|---|")
+    print("| engine | batch | tokens/s (CPU time) | tokens/s (wall) | tokens per target pass |")
+    print("|---|---|---|---|---|")
     for r in rows:
         tpp = f"{r['tokens_per_pass']:.2f}" if r["tokens_per_pass"] else "-"
-        print(f"| {r['engine']} | {r['batch']} | {r['tokens_per_s']:.1f} | {tpp} |")
+        print(f"| {r['engine']} | {r['batch']} | {r['tokens'] / r['cpu_s']:.1f} | {r['tokens'] / r['wall_s']:.1f} | {tpp} |")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(machine=machine, commit=commit, rows=rows), indent=2))
 
