@@ -65,16 +65,19 @@ class ModelDrafter:
             logit_rows=[n - 1] if want_logits else [],
         )
 
-    def prefill(self, prefills: list[ScheduledSeq]) -> None:
-        if not prefills:
-            return
-        inp = ForwardInput()
+    def _add_prefills(self, inp: ForwardInput, prefills: list[ScheduledSeq]) -> list[tuple[Request, int]]:
+        """Rows that keep the draft's KV level with the target's prompt chunks of this step."""
         ends = []
         for s in prefills:
             end = s.request.num_computed_tokens + s.num_new_tokens
             if end > s.request.num_draft_computed_tokens:
                 self._catch_up(inp, s.request, end, want_logits=False)
                 ends.append((s.request, end))
+        return ends
+
+    def prefill(self, prefills: list[ScheduledSeq]) -> None:
+        inp = ForwardInput()
+        ends = self._add_prefills(inp, prefills)
         if inp.num_rows:
             self.runner.forward(inp)
         for req, end in ends:
@@ -86,12 +89,7 @@ class ModelDrafter:
         active = [g for g in grows if g.max_depth > 0]
         # Level 1: one forward that catches the draft up on everything, prompts included.
         inp = ForwardInput()
-        ends = []
-        for s in prefills:
-            end = s.request.num_computed_tokens + s.num_new_tokens
-            if end > s.request.num_draft_computed_tokens:
-                self._catch_up(inp, s.request, end, want_logits=False)
-                ends.append((s.request, end))
+        ends = self._add_prefills(inp, prefills)
         for g in active:
             self._catch_up(inp, g.req, g.req.num_tokens, want_logits=True)
             ends.append((g.req, g.req.num_tokens))
