@@ -328,7 +328,9 @@ class Speculator:
             # The engine advances num_computed_tokens past the pending token and these a nodes.
             out[req.request_id] = [tree.tokens[k] for k in path] + [bonus[i]]
             if self.drafter.has_kv:
-                fed = tree.num_nodes - 1 if tree.is_chain else 0  # chain nodes fed to the draft
+                # Only the chain drafter leaves node KV at final positions (a pruned dynamic tree can
+                # look like a chain but was fed in another slot order).
+                fed = tree.num_nodes - 1 if self.tree_kind == "chain" else 0
                 req.num_draft_computed_tokens = base + min(a, fed)
             self._count(req, tree.num_nodes, a)
         if src:
