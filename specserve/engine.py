@@ -22,7 +22,7 @@ from specserve.kv_pool import KVPool, blocks_needed
 from specserve.model.loader import load_eos_token_ids, load_model, load_tokenizer
 from specserve.request import Request, RequestStats
 from specserve.runner import ForwardInput, ModelRunner, slots_for
-from specserve.sampling import SamplingParams, SamplingTensors, make_generator, sample
+from specserve.sampling import SamplingParams, SamplingTensors, make_generator, mask_tokens, sample
 from specserve.scheduler import Scheduler, SchedulerOutput
 from specserve.spec import Plan, make_speculator
 
@@ -193,6 +193,7 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         plan = self.spec.plan(self.scheduler)
         batch = self.scheduler.schedule(plan.num_nodes)
@@ -227,7 +228,20 @@ class LLMEngine:
         self.spec.observe(batch, Plan(), 0.0, time.perf_counter() - start, [], [])
         return {req.request_id: [t] for req, t in zip(decoding, tokens)}
 
+    def mask_min_tokens(self, logits: torch.Tensor, rows: list[tuple[int, Request, int]]) -> None:
+        """rows: (logits row, request, how many tokens that row comes after the request's last
+        one). Where the request still has fewer than min_tokens outputs, its stop ids are masked."""
+        masked, banned = [], []
+        for row, req, ahead in rows:
+            params = req.params
+            if params.min_tokens and req.num_output_tokens + ahead < params.min_tokens:
+                stop_ids = req.stop_token_ids if params.ignore_eos else req.stop_token_ids | req.eos_token_ids
+                masked.append(row)
+                banned.append(sorted(stop_ids))
+        mask_tokens(logits, masked, banned)
+
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        self.mask_min_tokens(logits, [(i, r, 0) for i, r in enumerate(requests)])
         tensors = SamplingTensors.from_params([r.params for r in requests], logits.device)
         if tensors.all_greedy:
             return logits.argmax(dim=-1).tolist()  # the step's one device -> host sync

@@ -175,3 +175,13 @@ def sample(
     sampled = torch.where(sampled >= logits.shape[1], cdf.argmax(dim=-1), sampled)
     greedy = temperature < GREEDY_TEMPERATURE
     return torch.where(greedy, logits.argmax(dim=-1), sampled).to(torch.int64)
+
+
+def mask_tokens(logits: Tensor, rows: list[int], banned: list[list[int]]) -> None:
+    """In place: row rows[i] of logits [N, V] may not produce any id in banned[i] (-inf).
+    Used for min_tokens: EOS and stop_token_ids cannot be generated before it is reached,
+    as in vLLM and transformers' min_new_tokens; the sampler and the verifier both apply it."""
+    pairs = [(row, tok) for row, ids in zip(rows, banned) for tok in ids if 0 <= tok < logits.shape[-1]]
+    if pairs:
+        index = torch.tensor(pairs, dtype=torch.long, device=logits.device)
+        logits[index[:, 0], index[:, 1]] = float("-inf")

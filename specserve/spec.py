@@ -272,6 +272,12 @@ class Speculator:
             row_index[i, : tree.num_nodes + 1] = torch.arange(first, first + tree.num_nodes + 1)
             row_index[i, tree.num_nodes + 1 :] = first
         rows = logits[row_index.to(dev).flatten()]  # [B * (N + 1), V]
+        # min_tokens: row j of sequence i comes depth(j) tokens after its last one.
+        engine.mask_min_tokens(rows, [
+            (i * (max_nodes + 1) + j, s.request, depth)
+            for i, (s, tree, _) in enumerate(verified) if s.request.params.min_tokens
+            for j, depth in enumerate([0] + tree.depths + [0] * (max_nodes - tree.num_nodes))
+        ])
         target_argmax = rows.argmax(dim=-1).view(num_seqs, max_nodes + 1)
         tensors = SamplingTensors.from_params([r.params for r in requests], dev)
         if tensors.all_greedy:

@@ -60,6 +60,20 @@ def hf_greedy(path, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def hf_min_new_tokens(path, prompt: list[int], stop_ids: list[int], min_new: int, max_new: int) -> list[int]:
+    """transformers' greedy output with stop ids `stop_ids` and min_new_tokens: the stop ids are
+    masked until min_new tokens exist, then the first one ends generation (and is kept)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new, min_new_tokens=min_new, do_sample=False, eos_token_id=stop_ids, pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
 def make_llm(path, **kw) -> LLM:
     args = dict(target=str(path), draft="none", dtype="float64", device="cpu", progress=False,
                 num_blocks=128, block_size=4)
@@ -195,7 +209,6 @@ def test_max_tokens_is_length(reference):
 def test_eos_from_generation_config(ckpts, reference, tmp_path):
     _, prompt, ref = reference
     idx, tok = _first_new_token(ref.token_ids, 3)
-    later = [i for i in range(idx + 1, len(ref.token_ids)) if ref.token_ids[i] == tok]
     path = tmp_path / "eos_ckpt"
     shutil.copytree(ckpts["llama"], path)
     gen = json.loads((path / "generation_config.json").read_text())
@@ -208,11 +221,12 @@ def test_eos_from_generation_config(ckpts, reference, tmp_path):
     assert out.finish_reason == "stop"
     out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
     assert out.token_ids == ref.token_ids and out.finish_reason == "length"
-    # min_tokens: an EOS before min_tokens does not stop; the first one at or after does.
+    # min_tokens: EOS cannot be generated before it (masked, as transformers' min_new_tokens
+    # and vLLM do), so the output follows the masked argmax; it stops at a later EOS.
     out = llm.generate([prompt], SamplingParams(max_tokens=24, min_tokens=idx + 2, temperature=0.0))[0]
-    end = later[0] + 1 if later else 24
-    assert out.token_ids == ref.token_ids[:end]
-    assert len(out.token_ids) >= idx + 2
+    assert out.token_ids == hf_min_new_tokens(path, prompt, [1, tok], idx + 2, 24)
+    assert len(out.token_ids) >= idx + 2 and tok not in out.token_ids[: idx + 2]
+    assert out.token_ids[idx] != tok  # the EOS of the unconstrained output was masked away
     llm.engine.pool.check_all_free()
 
 
@@ -224,14 +238,12 @@ def test_stop_token_ids_and_min_tokens(reference):
     # stop_token_ids apply with ignore_eos too (ignore_eos concerns EOS only).
     out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[tok], ignore_eos=True))[0]
     assert out.token_ids == ref.token_ids[: idx + 1]
-    # min_tokens holds back stop_token_ids as well as EOS (SamplingParams' contract).
-    later = [i for i in range(idx + 1, len(ref.token_ids)) if ref.token_ids[i] == tok]
+    # min_tokens masks stop_token_ids as well as EOS (SamplingParams' contract).
     out = llm.generate(
         [prompt], SamplingParams(max_tokens=24, min_tokens=idx + 2, temperature=0.0, stop_token_ids=[tok], ignore_eos=True)
     )[0]
-    end = later[0] + 1 if later else 24
-    assert out.token_ids == ref.token_ids[:end]
-    assert len(out.token_ids) >= idx + 2
+    assert out.token_ids == hf_min_new_tokens(llm.config.target.path, prompt, [tok], idx + 2, 24)
+    assert len(out.token_ids) >= idx + 2 and tok not in out.token_ids[: idx + 2]
 
 
 def test_stop_string_cut_exactly(reference):

@@ -247,6 +247,24 @@ def test_eos_inside_an_accepted_run(models, reference, tmp_path):
         llm.engine.pool.check_all_free()
 
 
+@pytest.mark.parametrize("tree,draft", [("chain", "perfect"), ("fixed", "perfect"), ("chain", "weak"), ("chain", "ngram")])
+def test_min_tokens_masks_inside_the_verify_pass(models, tree, draft):
+    """min_tokens masks stop ids out of the target's rows in the verify pass too: with any
+    draft the output equals target-only generation with the same min_tokens."""
+    ref = make_llm(models, "none").generate(
+        [PROMPTS[2]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))[0].token_ids
+    idx = next(i for i in range(3, len(ref)) if ref[i] not in ref[:i])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                            stop_token_ids=[ref[idx]], min_tokens=idx + 3)
+    alone = make_llm(models, "none").generate([PROMPTS[2]], params)[0].token_ids
+    assert ref[idx] not in alone[: idx + 3] and alone[: idx] == ref[: idx]
+    llm = make_llm(models, draft, tree=tree)
+    out = llm.generate([PROMPTS[2]], params)[0]
+    assert out.token_ids == alone
+    assert llm.engine.spec.totals.num_drafts > 0
+    llm.engine.pool.check_all_free()
+
+
 # -- aborts --------------------------------------------------------------------------------
 
 
