@@ -45,6 +45,11 @@ def paged_attention(
     group = num_q_heads // num_kv_heads
     cu = meta.cu_query_lens_list if meta.cu_query_lens_list is not None else meta.cu_query_lens.tolist()
     seq_lens = meta.seq_lens_list if meta.seq_lens_list is not None else meta.seq_lens.tolist()
+    num_seqs = len(seq_lens)
+    if num_seqs > 1 and q.dtype != torch.float64 and cu[-1] == num_seqs * (cu[1] - cu[0]) and all(
+        cu[i + 1] - cu[i] == cu[1] for i in range(num_seqs)
+    ):
+        return _uniform_batch_attention(q, k_cache, v_cache, meta, scale, seq_lens, cu[1])
     for i, seq_len in enumerate(seq_lens):
         start, end = cu[i], cu[i + 1]
         q_len = end - start
@@ -86,6 +91,41 @@ def paged_attention(
         probs = probs.to(q.dtype)
         out[start:end] = torch.matmul(probs, v).transpose(0, 1)
     return out
+
+
+def _uniform_batch_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                             seq_lens: list[int], q_len: int) -> torch.Tensor:
+    """Every sequence has q_len query rows (a decode batch, or chains verified at one depth):
+    one gather and one masked SDPA for the whole batch instead of a loop over sequences.
+    Same visibility rule as above: key j of sequence b is visible to its row t iff
+    j < ctx_b, or j - ctx_b = i in [0, q_len) with custom_mask[b*q_len + t, i] (causal: i <= t)."""
+    num_seqs, block_size = len(seq_lens), k_cache.shape[1]
+    max_len = max(seq_lens)
+    num_blocks = (max_len + block_size - 1) // block_size
+    mask = meta.scratch.get("uniform_mask")  # [B, 1, q_len, S], the same in every layer
+    if mask is None:
+        dev = q.device
+        j = torch.arange(num_blocks * block_size, device=dev)[None, None, :]  # [1, 1, S]
+        ctx = (torch.tensor(seq_lens, device=dev) - q_len)[:, None, None]  # [B, 1, 1]
+        local = j - ctx  # [B, 1, S]: index among the sequence's own rows
+        own = (local >= 0) & (local < q_len)
+        if meta.custom_mask is None:
+            t = torch.arange(q_len, device=dev)[None, :, None]  # [1, Q, 1]
+            own_visible = own & (local <= t)
+        else:
+            rows = meta.custom_mask[:, :q_len].view(num_seqs, q_len, q_len)  # [B, Q, Q]
+            picked = torch.gather(rows, 2, local.clamp(0, q_len - 1).expand(num_seqs, q_len, -1))
+            own_visible = own & picked
+        mask = ((local < 0) | own_visible)[:, None]  # [B, 1, Q, S]; padding keys (local >= q_len) hidden
+        meta.scratch["uniform_mask"] = mask
+    blocks = meta.block_tables[:, :num_blocks].long().flatten()
+    shape = (num_seqs, num_blocks * block_size, *k_cache.shape[2:])
+    k = k_cache.index_select(0, blocks).view(shape).transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
+    v = v_cache.index_select(0, blocks).view(shape).transpose(1, 2).to(q.dtype)
+    qb = q.view(num_seqs, q_len, *q.shape[1:]).transpose(1, 2)  # [B, Hq, Q, D]
+    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[1] != k_cache.shape[2])
+    return out.transpose(1, 2).reshape(q.shape)
 
 
 def copy_slots(
