@@ -12,12 +12,12 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+def write_kv(k, v, k_cache, v_cache, slot_mapping, has_skipped_slots: bool = True) -> None:
     if _use_triton(k):
         from specserve.kernels import kv_ops
 
         return kv_ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
-    return reference.write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return reference.write_kv(k, v, k_cache, v_cache, slot_mapping, has_skipped_slots)
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -17,8 +17,9 @@ def write_kv(
     k_cache: torch.Tensor,  # [NB, BS, Hkv, D]
     v_cache: torch.Tensor,  # [NB, BS, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    has_skipped_slots: bool = True,  # False: the caller knows no slot is -1 (spares a check per layer)
 ) -> None:
-    if bool((slot_mapping < 0).any()):
+    if has_skipped_slots and bool((slot_mapping < 0).any()):
         keep = slot_mapping >= 0
         slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))

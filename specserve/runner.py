@@ -104,6 +104,7 @@ class ModelRunner:
             max_query_len=max_q,
             max_seq_len=max(inp.seq_lens),
             custom_mask=custom_mask,
+            has_skipped_slots=any(slot < 0 for slot in inp.slot_mapping),
             cu_query_lens_list=cu,
             seq_lens_list=list(inp.seq_lens),
         )

@@ -25,6 +25,7 @@ class AttentionMetadata:
     # them once per forward spares a device->host read in every layer).
     cu_query_lens_list: list[int] | None = None
     seq_lens_list: list[int] | None = None
+    has_skipped_slots: bool = True  # any slot_mapping == -1 (the runner says when there is none)
     # Per-forward scratch of the CPU path (e.g. each sequence's visibility mask, built in the
     # first layer and reused by the others).
     scratch: dict = field(default_factory=dict, repr=False, compare=False)

@@ -229,11 +229,13 @@ class Attention(nn.Module):
         v = v.reshape(T, self.num_kv_heads, self.head_dim).contiguous()  # [T, Hkv, D]
         if self.q_norm is not None:  # Qwen3: per-head norm, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # q and k rotate together: one RoPE over [T, Hq + Hkv, D].
+        q, k = apply_rope(torch.cat([q, k], dim=1), cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        k = k.contiguous()
         k_cache, v_cache = kv_cache
         # This step's K/V go into the pool first; attention then reads every visible key
         # (context and this step's own tokens) from the pool.
-        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.has_skipped_slots)
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return F.linear(out.reshape(T, self.num_heads * self.head_dim), self.wo.weight)
 
