@@ -51,11 +51,14 @@ class Clock:
         self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
 
 
-def time_specserve(llm: LLM, prompts, max_tokens: int) -> dict:
+def time_specserve(llm: LLM, prompts, max_tokens: int, batch: int) -> dict:
+    """The prompts in groups of `batch`, one group after another (batch 1: one at a time)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    outs = []
     with Clock() as clock:
-        outs = llm.generate(prompts, params)
+        for start in range(0, len(prompts), batch):
+            outs += llm.generate(prompts[start : start + batch], params)
     n = sum(len(o.token_ids) for o in outs)
     passes = sum(o.stats.num_target_passes for o in outs)
     return dict(tokens=n, wall_s=clock.wall, cpu_s=clock.cpu, tokens_per_pass=n / max(passes, 1))
@@ -81,6 +84,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=8, help="at least `batch`; run in groups of `batch`")
     ap.add_argument("--depths", type=int, nargs="*", default=[])
     ap.add_argument("--trees", action="store_true", help="also a fixed [3,2,1] and a dynamic tree")
     ap.add_argument("--threads", type=int, default=None)
@@ -113,10 +117,10 @@ def main() -> None:
     total = len(args.batch) * (len(settings) + 1 + (hf_draft is not None))
     bar = tqdm(total=total, desc="bench")
     for batch in args.batch:
-        prompts = held_out_prompts(batch, args.prompt_tokens, tok)
+        prompts = held_out_prompts(max(batch, args.num_prompts), args.prompt_tokens, tok)
         for name, kw in settings:
             llm = base if kw == dict(draft="none") else LLM(target=args.target, dtype="float32", progress=False, **kw)
-            rows.append(dict(engine=name, batch=batch, **time_specserve(llm, prompts, args.max_tokens)))
+            rows.append(dict(engine=name, batch=batch, **time_specserve(llm, prompts, args.max_tokens, batch)))
             bar.update(1)
         rows.append(dict(engine="transformers generate (request by request)", batch=batch,
                          **time_hf(hf, prompts, args.max_tokens)))
@@ -127,7 +131,8 @@ def main() -> None:
             bar.update(1)
     bar.close()
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    print(f"\nmachine: {machine}; commit {commit}; prompts {args.prompt_tokens} tokens, {args.max_tokens} generated, greedy")
+    print(f"\nmachine: {machine}; commit {commit}; {len(prompts)} held-out prompts of <= {args.prompt_tokens} tokens, "
+          f"{args.max_tokens} generated each, greedy")
     print("| engine | batch | tokens/s (CPU time) | tokens/s (wall) | tokens per target pass |")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -49,15 +49,24 @@ class _Growing:
 class ModelDrafter:
     has_kv = True
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, target_vocab_size: int | None = None):
         self.runner = runner
         self.block_size = runner.block_size
+        # A draft whose embedding is padded wider than the target's must not propose ids the
+        # target cannot embed.
+        self.vocab_limit = target_vocab_size
 
     def _catch_up(self, inp: ForwardInput, req: Request, end: int, want_logits: bool) -> None:
         start = req.num_draft_computed_tokens
         n = end - start
+        tokens = req.token_ids[start:end]
+        vocab = self.runner.args.vocab_size
+        if any(t >= vocab for t in tokens):
+            # An id from the target's padded vocabulary that the draft cannot embed: the draft
+            # reads it as token 0. Only the draft's guesses suffer; the output is the target's.
+            tokens = [t if t < vocab else 0 for t in tokens]
         inp.add(
-            req.token_ids[start:end],
+            tokens,
             list(range(start, end)),
             slots_for(req.block_table, self.block_size, start, n),
             req.block_table,
@@ -114,6 +123,8 @@ class ModelDrafter:
     def _expand(self, active, parents, logits, shape: TreeShape, depth: int) -> None:
         """Children of each active sequence's frontier nodes. `parents[i]` lists the nodes whose
         logits rows (in order) belong to sequence i; logits: [sum of those, V]."""
+        if self.vocab_limit is not None and logits.shape[1] > self.vocab_limit:
+            logits = logits[:, : self.vocab_limit]
         params = [g.req.params for g, plist in zip(active, parents) for _ in plist]
         tensors = SamplingTensors.from_params(params, logits.device)
         width = 1 if shape.kind == "chain" else (

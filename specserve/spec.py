@@ -302,7 +302,8 @@ class Speculator:
             parents[i, :n] = torch.tensor(tree.parents, dtype=torch.int32)
             is_sampled[i, :n] = torch.tensor(tree.is_sampled)
             if tree.draft_probs is not None and vocab > 1:
-                draft_probs[i, :n] = tree.draft_probs.float()
+                width = min(vocab, tree.draft_probs.shape[1])  # the draft's vocabulary may be padded differently
+                draft_probs[i, :n, :width] = tree.draft_probs[:, :width].float()
             # Exactly n + 1 draws per request (one per node, then the bonus, which tree_accept
             # reads at column max_nodes): a seeded request's stream must not depend on how
             # wide the other trees in the batch are.
@@ -375,7 +376,7 @@ def make_speculator(config: EngineConfig, engine):
     else:
         from specserve.drafts.model import ModelDrafter
 
-        drafter = ModelDrafter(engine.draft)
+        drafter = ModelDrafter(engine.draft, target_vocab_size=engine.target_args.vocab_size)
     controller = None
     if config.spec.mode == "adaptive":
         controller = make_controller(config, tree_kind="chain" if kind == "ngram" else config.spec.tree)

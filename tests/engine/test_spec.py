@@ -387,3 +387,31 @@ def test_block_sizes_budgets_and_adaptive_depth(models, reference, tree, block_s
     outs = run_and_compare(llm, reference)
     if mode == "static":
         check_stats(llm, outs)
+
+
+@pytest.mark.parametrize("draft_vocab", [416, 400])
+def test_draft_with_a_differently_padded_vocabulary(models, tmp_path, draft_vocab):
+    """Real pairs share a tokenizer but not always an embedding size (Qwen2.5-7B: 152064,
+    Qwen2.5-0.5B: 151936). Target here: vocab 448 (padded); drafts: 416 and 400 = the tokenizer's size."""
+    target = make_checkpoint(tmp_path / "t", "llama", dtype=torch.float64, vocab_size=448)
+    draft = make_checkpoint(tmp_path / "d", "llama", dtype=torch.float64, seed=3, num_hidden_layers=1,
+                            vocab_size=draft_vocab)
+    common = dict(target=str(target), dtype="float64", device="cpu", progress=False, num_blocks=64, block_size=4)
+    ref = LLM(draft="none", **common).generate(PROMPTS, GREEDY)
+    llm = LLM(draft=str(draft), spec_mode="static", spec_depth=3, **common)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    # Sampled chains carry the draft's distribution into the verifier, padded to the target's width.
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=11, ignore_eos=True)
+    assert all(len(o.token_ids) == MAX_TOKENS for o in llm.generate(PROMPTS, sampled))
+    assert llm.engine.spec.totals.num_drafts > 0
+    llm.engine.pool.check_all_free()
+
+
+def test_draft_with_too_small_a_vocabulary_is_refused(models, tmp_path):
+    from specserve.errors import ModelLoadError
+
+    draft = make_checkpoint(tmp_path / "d", "llama", dtype=torch.float64, num_hidden_layers=1, with_tokenizer=False,
+                            vocab_size=300)
+    with pytest.raises(ModelLoadError, match="vocab_size 300"):
+        LLM(target=str(models["target"]), draft=str(draft), dtype="float64", progress=False, num_blocks=16)
