@@ -26,22 +26,25 @@ Stages (each resumes from --work-dir, default build/train_pair/):
                 specserve/assets/CORPUS.md + corpus_manifest.json recording what was used.
 
 Why these sizes (measured on the 2-core dev CPU, transformers, batch 1, one decode step
-with a KV cache, float32): a decoder layer costs ~0.5 ms there whatever its width below
+with a KV cache, float32): a decoder layer costs ~0.45 ms there whatever its width below
 ~512, because it is op-overhead bound, so depth sets the cost ratio and width is nearly free.
-  target  hidden 256, 9 layers, 8 query / 4 KV heads (head_dim 32), MLP 704 (2.75x),
-          tied embeddings, 7.7M params = 15.4 MB bf16, ~4.7 ms per decode step.
-  draft   hidden 192, 2 layers, 6 query / 2 KV heads (head_dim 32), MLP 512,
-          tied embeddings, 1.6M params = 3.1 MB bf16, ~0.5 ms per decode step.
+  target  hidden 256, 10 layers, 8 query / 4 KV heads (head_dim 32), MLP 704 (2.75x),
+          tied embeddings, 8.4M params = 16.9 MB bf16, ~4.5 ms per decode step.
+  draft   hidden 128, 2 layers, 4 query / 2 KV heads (head_dim 32), MLP 384 (3x),
+          tied embeddings, 0.9M params = 1.8 MB bf16, ~0.5 ms per decode step.
 Two draft layers rather than one let the draft form induction (copy) heads, which is most of
-what makes code predictable; the ninth target layer keeps the cost ratio above 8x.
-Both fit well under 25 MB together. Training is compute-bound on 2 cores (~1-2M tokens per
-half hour), far below a Chinchilla budget, so the target stays small rather than wide.
+what makes code predictable; the tenth target layer keeps the cost ratio above 8x.
+Both fit well under 25 MB together (19.2 MB with tokenizers). Training is compute-bound on
+2 cores (a few million tokens per half hour), far below a Chinchilla budget, which is why
+the target is no wider. Training runs under bfloat16 autocast where the CPU has
+AVX512-BF16/AMX (2x faster steps); on a CPU shared with other jobs --threads 1 was ~5x
+faster per step than 2 threads (the shipped pair was trained that way, see CORPUS.md).
 
 Reproducibility: every random draw comes from generators seeded by (--seed, stage, step),
-so a resumed run draws the same batches as an uninterrupted one. The number of optimisation
-steps is fixed once, from the measured speed of the first steps against the budget, and
-stored in the checkpoint; pass --target-steps/--draft-steps to replay an earlier run exactly
-(CORPUS.md records the steps each stage took). The corpus depends on the interpreter
+so a resumed run draws the same batches as an uninterrupted one. The learning-rate schedule is
+warmup-stable-decay: the decay starts at 80% of the wall-clock budget and its length is fixed
+then from the measured step speed; (steps, decay start) are stored in the checkpoint and in
+CORPUS.md, and --target-schedule/--draft-schedule replay them exactly on any machine. The corpus depends on the interpreter
 version: CORPUS.md records it and the corpus sha256.
 """
 
