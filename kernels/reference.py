@@ -60,12 +60,13 @@ def paged_attention(
         k = gather_kv(k_cache, meta.block_tables[i], seq_len)  # [S, Hkv, D]
         v = gather_kv(v_cache, meta.block_tables[i], seq_len)
         if q_len == 1 and q.dtype != torch.float64:
-            # Decode: one query sees every key, so no mask; SDPA reads the GQA groups itself.
-            # (float64 keeps the explicit path below: exactness tests want float64 softmax.)
-            out[start:end] = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1), k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype),
-                scale=scale, enable_gqa=group > 1,
-            ).transpose(0, 1)
+            # Decode: one query sees every key, so no mask. The query heads of one KV head form
+            # a [group, D] block, so two small matmuls do it without repeating K/V (on the CPU
+            # ~2x faster than SDPA at these sizes). float64 keeps the explicit path below.
+            qg = q[start].view(num_kv_heads, group, -1)  # [Hkv, G, D]
+            kt = k.to(q.dtype).permute(1, 2, 0)  # [Hkv, D, S]
+            probs = torch.softmax(torch.bmm(qg, kt) * scale, dim=-1)  # [Hkv, G, S]
+            out[start] = torch.bmm(probs, v.to(q.dtype).transpose(0, 1)).view(num_q_heads, -1)
             continue
         visible = meta.scratch.get(("visible", i))  # [q_len, S]: the same in every layer
         if visible is None:
