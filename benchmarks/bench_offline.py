@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--depths", type=int, nargs="*", default=[])
     ap.add_argument("--trees", action="store_true", help="also a fixed [3,2,1] and a dynamic tree")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; the median is reported")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     if args.threads:
@@ -114,25 +115,33 @@ def main() -> None:
                                                           spec_tree="dynamic", spec__num_nodes=12, spec__topk=3)),
             ]
         settings.append(("specserve, adaptive", dict(draft=args.draft, spec_mode="adaptive")))
-    total = len(args.batch) * (len(settings) + 1 + (hf_draft is not None))
-    bar = tqdm(total=total, desc="bench")
+    # Every setting as a callable, so the rounds can interleave them: a slow spell of the
+    # machine then hits every setting alike, and the median over rounds is reported.
+    engines = {name: (base if kw == dict(draft="none") else
+                      LLM(target=args.target, dtype="float32", progress=False, **kw)) for name, kw in settings}
+    runs = []
     for batch in args.batch:
         prompts = held_out_prompts(max(batch, args.num_prompts), args.prompt_tokens, tok)
-        for name, kw in settings:
-            llm = base if kw == dict(draft="none") else LLM(target=args.target, dtype="float32", progress=False, **kw)
-            rows.append(dict(engine=name, batch=batch, **time_specserve(llm, prompts, args.max_tokens, batch)))
-            bar.update(1)
-        rows.append(dict(engine="transformers generate (request by request)", batch=batch,
-                         **time_hf(hf, prompts, args.max_tokens)))
-        bar.update(1)
+        for name in engines:
+            runs.append((name, batch, lambda llm=engines[name], p=prompts, b=batch: time_specserve(llm, p, args.max_tokens, b)))
+        runs.append(("transformers generate (request by request)", batch,
+                     lambda p=prompts: time_hf(hf, p, args.max_tokens)))
         if hf_draft is not None:
-            rows.append(dict(engine="transformers assisted generation (request by request)", batch=batch,
-                             **time_hf(hf, prompts, args.max_tokens, assistant=hf_draft)))
+            runs.append(("transformers assisted generation (request by request)", batch,
+                         lambda p=prompts: time_hf(hf, p, args.max_tokens, assistant=hf_draft)))
+    samples: dict = {}
+    bar = tqdm(total=len(runs) * args.rounds, desc="bench")
+    for _ in range(args.rounds):
+        for name, batch, run in runs:
+            samples.setdefault((name, batch), []).append(run())
             bar.update(1)
+    for (name, batch), results in samples.items():
+        best = sorted(results, key=lambda r: r["tokens"] / r["cpu_s"])[len(results) // 2]  # the median round
+        rows.append(dict(engine=name, batch=batch, rounds=len(results), **best))
     bar.close()
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     print(f"\nmachine: {machine}; commit {commit}; {len(prompts)} held-out prompts of <= {args.prompt_tokens} tokens, "
-          f"{args.max_tokens} generated each, greedy")
+          f"{args.max_tokens} generated each, greedy; median of {args.rounds} interleaved rounds")
     print("| engine | batch | tokens/s (CPU time) | tokens/s (wall) | tokens per target pass |")
     print("|---|---|---|---|---|")
     for r in rows:

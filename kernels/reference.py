@@ -27,10 +27,13 @@ def write_kv(
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len positions of one sequence: [seq_len, Hkv, D]."""
+    """The first seq_len positions of one sequence: [seq_len, Hkv, D]. block_table may be the
+    padded int32 row or already the int64 ids of exactly the blocks needed."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache.index_select(0, block_table[:num_blocks].long())  # [n, BS, Hkv, D]
+    if block_table.dtype != torch.int64 or block_table.shape[0] != num_blocks:
+        block_table = block_table[:num_blocks].long()
+    blocks = cache.index_select(0, block_table)  # [n, BS, Hkv, D]
     return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
 
 
@@ -57,16 +60,21 @@ def paged_attention(
         if q_len == 0:
             continue
         ctx_len = seq_len - q_len
-        k = gather_kv(k_cache, meta.block_tables[i], seq_len)  # [S, Hkv, D]
-        v = gather_kv(v_cache, meta.block_tables[i], seq_len)
+        blocks = meta.scratch.get(("blocks", i))  # int64 ids of the blocks needed, once per forward
+        if blocks is None:
+            block_size = k_cache.shape[1]
+            blocks = meta.scratch[("blocks", i)] = meta.block_tables[i, : (seq_len + block_size - 1) // block_size].long()
+        k = gather_kv(k_cache, blocks, seq_len)  # [S, Hkv, D]
+        v = gather_kv(v_cache, blocks, seq_len)
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
         if q_len == 1 and q.dtype != torch.float64:
             # Decode: one query sees every key, so no mask. The query heads of one KV head form
             # a [group, D] block, so two small matmuls do it without repeating K/V (on the CPU
             # ~2x faster than SDPA at these sizes). float64 keeps the explicit path below.
             qg = q[start].view(num_kv_heads, group, -1)  # [Hkv, G, D]
-            kt = k.to(q.dtype).permute(1, 2, 0)  # [Hkv, D, S]
-            probs = torch.softmax(torch.bmm(qg, kt) * scale, dim=-1)  # [Hkv, G, S]
-            out[start] = torch.bmm(probs, v.to(q.dtype).transpose(0, 1)).view(num_q_heads, -1)
+            probs = torch.softmax(torch.bmm(qg, k.permute(1, 2, 0)) * scale, dim=-1)  # [Hkv, G, S]
+            out[start] = torch.bmm(probs, v.transpose(0, 1)).view(num_q_heads, -1)
             continue
         visible = meta.scratch.get(("visible", i))  # [q_len, S]: the same in every layer
         if visible is None:
