@@ -79,10 +79,11 @@ class LLMEngine:
             # Pairs share a tokenizer, not always an embedding size (Qwen2.5-7B pads its vocabulary to
             # 152064, Qwen2.5-0.5B to 151936): the tokenizer is what must agree, and the draft's
             # distributions are padded to the target's width with zeros.
-            if draft_args.vocab_size < len(self.tokenizer):
+            needed = min(len(self.tokenizer), self.target_args.vocab_size)  # ids the target can see or emit
+            if draft_args.vocab_size < needed:
                 raise ModelLoadError(
                     f"draft {config.draft.path} has vocab_size {draft_args.vocab_size}, fewer than the "
-                    f"{len(self.tokenizer)} tokens of the target's tokenizer: the pair must share one tokenizer"
+                    f"{needed} token ids of the target ({config.target.path}): the pair must share one tokenizer"
                 )
             self._check_same_tokenizer(config.draft.path)
             self.max_model_len = min(self.max_model_len, draft_args.max_position_embeddings)
