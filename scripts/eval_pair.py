@@ -242,7 +242,7 @@ def main() -> None:
     lines = [
         "# Embedded pair (specserve/assets/tiny-target, tiny-draft)",
         "",
-        f"Machine: {machine()}; commit {commit()}. Produced by `python scripts/eval_pair.py`.",
+        f"Machine: {machine()}; commit {commit()}. Produced by `python {' '.join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])}`.",
         "Held-out data: the files of `specserve/assets/corpus_manifest.json` marked held out "
         f"({len(texts)} files; sha256 checked), never seen by the tokenizer or either model.",
         "",

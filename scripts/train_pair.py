@@ -5,6 +5,8 @@ One command, no downloads, fixed seeds, a wall-clock budget, resumable:
     python scripts/train_pair.py                      # ~45 min on a 2-core CPU
     python scripts/train_pair.py --target-minutes 2 --draft-minutes 1 --work-dir /tmp/smoke \
         --out-dir /tmp/smoke/out                      # smoke test
+    python scripts/train_pair.py --threads 1 --target-schedule 955 689 --draft-schedule 824 662 \
+        --draft-continue-minutes 24                   # + agreement continuation of the draft
 
 Stages (each resumes from --work-dir, default build/train_pair/):
   1. corpus     every *.py under sysconfig's stdlib path, test and site-packages folders
@@ -20,6 +22,14 @@ Stages (each resumes from --work-dir, default build/train_pair/):
                 on the target's full softmax (the vocabulary is only 4096, so no top-k
                 truncation is needed), 0.1 * CE on the data. Forward KL on the target's
                 soft outputs is what raises top-1 agreement, the quantity speculation pays on.
+  4b. draft continuation (--draft-continue-minutes M, optional): continues distilling the
+                trained draft (draft.final.pt) with a loss aimed at top-1 agreement itself:
+                w * KL(softmax(target / T) || draft) with T < 1 (a sharpened target) +
+                (1 - w) * CE on the target's argmax token (hard distillation); defaults
+                w 0.5, T 0.5; fresh AdamW, lr --continue-lr (1e-3) after a 20-step warmup,
+                decaying linearly to 0 from 5% of the budget on. Same architecture, so the
+                cost ratio is unchanged. Its (steps, decay start) are recorded like the other
+                stages' and replayed by --draft-continue-schedule.
   5. export     Hugging Face folders (config.json, model.safetensors in bfloat16,
                 tokenizer.json, tokenizer_config.json with the chat template,
                 generation_config.json) to specserve/assets/tiny-{target,draft}/, and
@@ -265,7 +275,8 @@ def make_model(arch: dict, vocab_size: int, seed: int):
     return LlamaForCausalLM(config)
 
 
-def lr_at(step: int, peak: float, warmup: int, decay_start: int | None, total: int | None) -> float:
+def lr_at(step: int, peak: float, warmup: int, decay_start: int | None, total: int | None,
+          floor: float = 0.02) -> float:
     """Warmup-stable-decay (Hu et al. 2024, MiniCPM; Hagele et al. 2024): linear warmup, a
     constant peak, then a linear decay to 2% of peak over the last steps. It fits a wall-clock
     budget on a machine of unknown speed: the decay's length is fixed only when it starts."""
@@ -274,17 +285,22 @@ def lr_at(step: int, peak: float, warmup: int, decay_start: int | None, total: i
     if decay_start is None or step < decay_start:
         return peak
     progress = min(1.0, (step - decay_start) / max(1, total - decay_start))
-    return peak * (0.02 + 0.98 * (1.0 - progress))
+    return peak * (floor + (1.0 - floor) * (1.0 - progress))
 
 
 def train_stage(name: str, model, streams: dict, args, minutes: float, fixed: tuple | None,
-                peak_lr: float, loss_fn, work: Path, stage_seed: int) -> dict:
+                peak_lr: float, loss_fn, work: Path, stage_seed: int, warmup: int | None = None,
+                decay_at: float = 0.8, lr_floor: float = 0.02, batch_size: int | None = None,
+                seq: int | None = None) -> dict:
     """Generic loop: time-budgeted, checkpointed every ~60 s, resumable, deterministic batches.
 
     The decay phase starts when 80% of the budget has gone, and lasts as many steps as the
     last 20 steps' speed fits into the remaining 20%; (decay_start, total) are recorded, and
     `fixed` = (total, decay_start) replays them exactly whatever the machine's speed.
-    loss_fn(model, batch) -> (loss, ce) where ce is the data cross-entropy for the log."""
+    loss_fn(model, batch) -> (loss, ce) where ce is the data cross-entropy for the log, or
+    (loss, ce, agree) with agree the train top-1 agreement with the target, logged likewise.
+    decay_at (fraction of the budget where the decay starts) and lr_floor (final lr / peak)
+    default to the from-scratch stages' 0.8 and 0.02."""
     ckpt_path = work / f"{name}.ckpt"
     done_path = work / f"{name}.done.json"
     if done_path.exists():
@@ -292,7 +308,11 @@ def train_stage(name: str, model, streams: dict, args, minutes: float, fixed: tu
         return json.loads(done_path.read_text())
     opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95),
                             weight_decay=0.1, eps=1e-8)
-    state = {"step": 0, "elapsed": 0.0, "total_steps": None, "decay_start": None, "losses": []}
+    state = {"step": 0, "elapsed": 0.0, "total_steps": None, "decay_start": None, "losses": [],
+             "agreements": []}
+    warmup = args.warmup if warmup is None else warmup
+    batch_size = args.batch if batch_size is None else batch_size
+    seq = args.seq if seq is None else seq
     if ckpt_path.exists():
         ck = torch.load(ckpt_path, weights_only=False)
         model.load_state_dict(ck["model"])
@@ -308,6 +328,7 @@ def train_stage(name: str, model, streams: dict, args, minutes: float, fixed: tu
     last_ckpt = time.time()
     t_start = time.time() - state["elapsed"]
     window: list[float] = []
+    agree_window: list[float] = []
     step_times: list[float] = []
     while True:
         step = state["step"]
@@ -315,7 +336,7 @@ def train_stage(name: str, model, streams: dict, args, minutes: float, fixed: tu
         if total is not None and step >= total:
             break
         elapsed = time.time() - t_start
-        if fixed is None and total is None and elapsed > 0.8 * budget and len(step_times) >= 5:
+        if fixed is None and total is None and elapsed > decay_at * budget and len(step_times) >= 5:
             per_step = sorted(step_times[-20:])[len(step_times[-20:]) // 2]
             state["decay_start"] = step
             state["total_steps"] = total = step + max(10, int(0.97 * (budget - elapsed) / per_step))
@@ -326,24 +347,30 @@ def train_stage(name: str, model, streams: dict, args, minutes: float, fixed: tu
             break
         t_step = time.time()
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + stage_seed * 10_007 + step)
-        batch = sample_batch(streams["train"], args.batch, args.seq, args.chat_fraction, gen)
-        lr = lr_at(step, peak_lr, args.warmup, state["decay_start"], total)
+        batch = sample_batch(streams["train"], batch_size, seq, args.chat_fraction, gen)
+        lr = lr_at(step, peak_lr, warmup, state["decay_start"], total, lr_floor)
         for g in opt.param_groups:
             g["lr"] = lr
-        loss, ce = loss_fn(model, batch)
+        loss, ce, *extra = loss_fn(model, batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         state["step"] = step + 1
         window.append(ce.item())
+        if extra:
+            agree_window.append(float(extra[0]))
         step_times.append(time.time() - t_step)
         bar.update(1)
         if state["step"] % 10 == 0:
             mean = sum(window) / len(window)
             state["losses"].append((state["step"], round(mean, 4)))
+            if agree_window:
+                state.setdefault("agreements", []).append(
+                    (state["step"], round(sum(agree_window) / len(agree_window), 4)))
+                agree_window = []
             bar.set_postfix(ce=f"{mean:.3f}", lr=f"{lr:.2e}",
-                            tok_s=f"{len(window) * args.batch * args.seq / sum(step_times[-len(window):]):.0f}")
+                            tok_s=f"{len(window) * batch_size * seq / sum(step_times[-len(window):]):.0f}")
             window = []
         if time.time() - last_ckpt > 60:
             state["elapsed"] = time.time() - t_start
@@ -358,9 +385,12 @@ def train_stage(name: str, model, streams: dict, args, minutes: float, fixed: tu
     summary = {"steps": state["step"], "planned_steps": state["total_steps"],
                "decay_start": state["decay_start"],
                "seconds": round(state["elapsed"], 1), "peak_lr": peak_lr,
-               "tokens": state["step"] * args.batch * args.seq,
+               "tokens": state["step"] * batch_size * seq, "batch": batch_size, "seq": seq,
                "final_train_ce": state["losses"][-1][1] if state["losses"] else None,
                "loss_curve": state["losses"][::max(1, len(state["losses"]) // 20)]}
+    if state.get("agreements"):
+        summary["final_train_agreement"] = state["agreements"][-1][1]
+        summary["agreement_curve"] = state["agreements"][::max(1, len(state["agreements"]) // 20)]
     done_path.write_text(json.dumps(summary))
     return summary
 
@@ -376,6 +406,20 @@ def heldout_ce(model, stream: dict, args, num_batches: int = 8) -> float:
                                  reduction="sum").item()
         count += batch[:, 1:].numel()
     return total / count
+
+
+@torch.no_grad()
+def heldout_agreement(target, draft, stream: dict, args, num_batches: int = 8) -> float:
+    """Top-1 agreement of draft and target on the same held-out windows as heldout_ce."""
+    gen = torch.Generator().manual_seed(12345)
+    same = count = 0
+    for _ in range(num_batches):
+        batch = sample_batch(stream, args.batch, args.seq, 0.0, gen)
+        a = target(batch[:, :-1]).logits.argmax(-1)
+        b = draft(batch[:, :-1]).logits.argmax(-1)
+        same += (a == b).sum().item()
+        count += a.numel()
+    return same / count
 
 
 # ----------------------------------------------------------------------------- export
@@ -411,6 +455,28 @@ def write_records(corpus: dict, streams: dict, args, results: dict, out_dir: Pat
     train = [f for f in files if not f["held_out"]]
     held = [f for f in files if f["held_out"]]
     tgt, dft = results["target"], results["draft"]
+    cont, cont_md, cont_replay = results.get("draft_continue"), "", ""
+    dft_ce = results["draft_pre_continue"]["ce"] if cont else results["draft_heldout_ce"]
+    if cont:
+        cont_replay = f" --draft-continue-schedule {cont['steps']} {cont['decay_start']}"
+        pre = results["draft_pre_continue"]
+        cont_md = f"""
+## Draft continuation (agreement distillation)
+- Starts from the draft above (`draft.final.pt`), fresh AdamW (betas 0.9/0.95, weight decay 0.1),
+  batches of {cont['batch']} x {cont['seq']} tokens (the full 512 context: the first stages trained on
+  256-token windows only, while the models serve, and `eval_pair.py` scores, 512), batch draws
+  seeded by (seed, stage 3, step), training files only.
+- Loss: {args.continue_kl_weight} * KL(softmax(target / T) || draft), T = {args.continue_temperature}
+  (sharpened target), + {1 - args.continue_kl_weight:.2g} * CE(draft, argmax target) (hard distillation).
+- Budget {args.draft_continue_minutes} min; {cont['steps']} steps (warmup {args.continue_warmup},
+  decay from step {cont['decay_start']} to step {cont['planned_steps']}), {cont['tokens']:,} tokens,
+  {cont['seconds']:.0f} s; lr {cont['peak_lr']} linearly to 0.
+- Quick held-out check (8 x 16 x 256 code windows): agreement {pre['agreement']:.4f} -> {results['draft_agreement']:.4f},
+  draft CE {pre['ce']:.4f} -> {results['draft_heldout_ce']:.4f}; final train CE {cont['final_train_ce']},
+  final train agreement {cont.get('final_train_agreement')}.
+- Loss curves (step, mean over the last 10 steps): data CE {cont['loss_curve']}
+- train agreement: {cont.get('agreement_curve')}
+"""
     md = f"""# Corpus and training record of the embedded pair
 
 Written by `scripts/train_pair.py`; the per-file list (path, bytes, sha256, held-out flag)
@@ -446,13 +512,17 @@ is `corpus_manifest.json` beside this file.
 - Draft {DRAFT_ARCH}: budget {args.draft_minutes} min; {dft['steps']} steps
   (decay from step {dft['decay_start']}, planned {dft['planned_steps']}), {dft['tokens']:,} tokens, {dft['seconds']:.0f} s,
   peak lr {dft['peak_lr']}; loss 0.9 KL(target || draft) + 0.1 CE; final train CE
-  {dft['final_train_ce']}, held-out code CE {results['draft_heldout_ce']:.4f}
-  (ppl {math.exp(results['draft_heldout_ce']):.2f}).
-- To replay exactly: add `--target-schedule {tgt['steps']} {tgt['decay_start']} --draft-schedule {dft['steps']} {dft['decay_start']}`.
+  {dft['final_train_ce']}, held-out code CE {dft_ce:.4f}
+  (ppl {math.exp(dft_ce):.2f}).
+- To replay exactly: add `--target-schedule {tgt['steps']} {tgt['decay_start']} --draft-schedule {dft['steps']} {dft['decay_start']}{cont_replay}`.
 - Loss curves (step, mean train CE over the last 10 steps):
-  - target: {tgt['loss_curve']}
-  - draft: {dft['loss_curve']}
-"""
+  - target: {[tuple(x) for x in tgt['loss_curve']]}
+  - draft: {[tuple(x) for x in dft['loss_curve']]}
+{cont_md}"""
+    # sections added by hand (## Notes ...) to an earlier record are kept
+    old = out_dir / "CORPUS.md"
+    if old.exists() and "\n## Notes" in old.read_text():
+        md += "\n## Notes" + old.read_text().split("\n## Notes", 1)[1]
     (out_dir / "CORPUS.md").write_text(md)
 
 
@@ -477,6 +547,20 @@ def main() -> None:
     p.add_argument("--draft-schedule", type=int, nargs=2, default=None, metavar=("STEPS", "DECAY_START"))
     p.add_argument("--target-lr", type=float, default=3e-3)
     p.add_argument("--draft-lr", type=float, default=4e-3)
+    p.add_argument("--draft-continue-minutes", type=float, default=0.0,
+                   help="continue distilling the trained draft for agreement (0 = skip)")
+    p.add_argument("--draft-continue-schedule", type=int, nargs=2, default=None,
+                   metavar=("STEPS", "DECAY_START"))
+    p.add_argument("--continue-lr", type=float, default=1e-3)
+    p.add_argument("--continue-batch", type=int, default=8)
+    p.add_argument("--continue-seq", type=int, default=CONTEXT,
+                   help="window length of the continuation; the full context, so that the draft "
+                        "also learns the target's positions past the first stages' 256")
+    p.add_argument("--continue-warmup", type=int, default=20)
+    p.add_argument("--continue-temperature", type=float, default=0.5,
+                   help="target logits are divided by this (< 1 sharpens)")
+    p.add_argument("--continue-kl-weight", type=float, default=0.5,
+                   help="weight of the sharpened KL; the rest goes to CE on argmax target")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--fp32", action="store_true", help="no bfloat16 autocast")
     args = p.parse_args()
@@ -544,8 +628,41 @@ def main() -> None:
 
     heldout = {"code": streams["heldout"]["code"], "chat": streams["heldout"]["chat"],
                "chat_starts": streams["heldout"]["chat_starts"]}
+    cont_summary = pre_continue = None
+    if args.draft_continue_minutes > 0 or args.draft_continue_schedule is not None:
+        draft.eval()
+        pre_continue = {"ce": heldout_ce(draft, heldout, args),
+                        "agreement": heldout_agreement(target, draft, heldout, args)}
+        print(f"draft before continuation: held-out CE {pre_continue['ce']:.4f}, "
+              f"agreement {pre_continue['agreement']:.4f}")
+        T, w = args.continue_temperature, args.continue_kl_weight
+
+        def agree_loss(model, batch):
+            batch = batch.to(device)
+            with torch.no_grad(), autocast():
+                teacher_logits = target(batch[:, :-1]).logits
+            teacher_logits = teacher_logits.float().flatten(0, 1)
+            sharp_logp = F.log_softmax(teacher_logits / T, dim=-1)
+            top1 = teacher_logits.argmax(-1)
+            with autocast():
+                logits = model(batch[:, :-1]).logits.float()
+            logp = F.log_softmax(logits.flatten(0, 1), dim=-1)
+            kl = F.kl_div(logp, sharp_logp, log_target=True, reduction="batchmean")
+            hard = F.nll_loss(logp, top1)
+            ce = F.nll_loss(logp.detach(), batch[:, 1:].flatten())
+            agree = (logp.detach().argmax(-1) == top1).float().mean()
+            return w * kl + (1 - w) * hard, ce, agree.item()
+
+        cont_summary = train_stage("draft_continue", draft, streams, args, args.draft_continue_minutes,
+                                   args.draft_continue_schedule, args.continue_lr, agree_loss,
+                                   args.work_dir, 3, warmup=args.continue_warmup, decay_at=0.05,
+                                   lr_floor=0.0, batch_size=args.continue_batch,
+                                   seq=args.continue_seq)
+    draft.eval()
     target_ce = heldout_ce(target, heldout, args)
     draft_ce = heldout_ce(draft, heldout, args)
+    draft_agree = heldout_agreement(target, draft, heldout, args)
+    print(f"held-out agreement (quick check): {draft_agree:.4f}")
     print(f"held-out CE: target {target_ce:.4f} (ppl {math.exp(target_ce):.2f}), "
           f"draft {draft_ce:.4f} (ppl {math.exp(draft_ce):.2f})")
 
@@ -555,7 +672,8 @@ def main() -> None:
     export(target, tok, args.out_dir / "tiny-target")
     export(draft, tok, args.out_dir / "tiny-draft")
     results = {"target": tgt_summary, "draft": dft_summary, "target_heldout_ce": target_ce,
-               "draft_heldout_ce": draft_ce, "device": device + (" bf16 autocast" if use_bf16 else ""),
+               "draft_heldout_ce": draft_ce, "draft_agreement": draft_agree,
+               "draft_continue": cont_summary, "draft_pre_continue": pre_continue, "device": device + (" bf16 autocast" if use_bf16 else ""),
                "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])}
     write_records(corpus, streams, args, results, args.out_dir)
     sizes = {d: sum(f.stat().st_size for f in (args.out_dir / d).glob("*"))
