@@ -111,11 +111,19 @@ def test_disconnect_mid_stream_frees_blocks(server, server_target, n):
     assert out.usage.completion_tokens == 3
 
 
-async def _disconnect_while_waiting(url, body) -> None:
+async def _disconnect_while_waiting(url, body, admitted) -> None:
+    """Post, wait until the engine holds the request (so there is something to abort, also on a
+    slow machine), then give up on the response."""
     async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(s.post(url, json=body))
+        for _ in range(500):
+            if admitted():
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
         try:
-            await s.post(url, json=body, timeout=aiohttp.ClientTimeout(total=0.5))
-        except asyncio.TimeoutError:
+            await task
+        except asyncio.CancelledError:
             pass
 
 
@@ -125,7 +133,7 @@ def test_disconnect_before_first_token_aborts(server, server_target):
     finishes = record_finishes(server)
     body = {"model": server_target.name, "prompt": "Once upon a time", "max_tokens": 240, "temperature": 0,
             "ignore_eos": True}
-    asyncio.run(_disconnect_while_waiting(server.url + "/completions", body))
+    asyncio.run(_disconnect_while_waiting(server.url + "/completions", body, lambda: bool(engine.requests)))
     assert wait_until(lambda: not engine.requests and engine.pool.num_free_blocks == engine.pool.num_blocks)
     assert list(finishes.values()) == ["abort"]
 
