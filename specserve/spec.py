@@ -156,13 +156,15 @@ class Speculator:
                 best = min(best, time.perf_counter() - start)
             return best
 
-        sizes = [b for b in (1, 4, 16, 64) if b <= max_batch_size]  # between them: interpolated
+        budget = self.config.scheduler.max_num_batched_tokens  # no step is ever larger
+        sizes = [b for b in (1, 4, 16, 64) if b <= max_batch_size and b <= budget]  # between: interpolated
         nodes = sorted({0, 1, min(3, max_nodes), max_nodes})
         measure_draft = (lambda b: run(engine.draft, b, 1)) if self.drafter.has_kv else (lambda b: 1e-5)
-        self.controller.calibrate(
-            lambda b, num_tokens: run(engine.target, b, num_tokens // b), measure_draft,
-            batch_sizes=sizes, nodes_per_seq=nodes,
-        )
+        for b in sizes:  # one size at a time, so each keeps only the node counts that fit the budget
+            self.controller.calibrate(
+                lambda b, num_tokens: run(engine.target, b, num_tokens // b), measure_draft,
+                batch_sizes=[b], nodes_per_seq=[n for n in nodes if b * (n + 1) <= budget],
+            )
 
     def observe(self, batch: SchedulerOutput, plan: Plan, draft_s: float, verify_s: float,
                 num_accepted: list[int], request_ids: list[str]) -> None:
