@@ -90,8 +90,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.sweep")
     p.add_argument("--model", required=True)
     p.add_argument("--config", default="")
+    # One intra-op thread: the load generator shares this machine, and a 2-thread torch on a
+    # 2-core box stalls whenever the client runs (timings then swing 10x).
     p.add_argument("--server-cmd", default="specserve serve --config {config} --host 127.0.0.1 "
-                                             "--port {port} {overrides}")
+                                             "--port {port} --cpu-threads 1 {overrides}")
+    p.add_argument("--warmup-requests", type=int, default=8,
+                   help="requests sent to each server before the measured runs (not recorded)")
     p.add_argument("--base-url", action="append", default=[], metavar="LABEL=URL",
                    help="use an already running server per setting instead of starting one")
     p.add_argument("--port", type=int, default=8765)
@@ -116,6 +120,10 @@ def main(argv=None):
                                 out / f"server_{setting}.log")
         try:
             wait_healthy(base, proc, args.startup_timeout)
+            if args.warmup_requests:  # first requests pay one-off costs (allocator, caches)
+                print(f"== {setting} warm-up", file=sys.stderr)
+                loadgen.main(["--base-url", base, "--model", args.model, "--num-prompts", str(args.warmup_requests),
+                              "--max-concurrency", "4", "--no-progress"] + extra)
             for conc in args.concurrency:
                 path = out / f"{setting}_c{conc}.json"
                 lg = ["--base-url", base, "--model", args.model, "--max-concurrency", str(conc),

@@ -98,6 +98,7 @@ class EngineConfig(_Section):
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    cpu_threads: PositiveInt | None = None  # torch intra-op threads; default: torch's (the cores)
     seed: int = 0
 
 
@@ -235,7 +236,7 @@ def with_overrides(cfg: EngineConfig, **overrides: Any) -> EngineConfig:
         if name == "dtype":
             data["target"]["dtype"] = value
             data["draft"]["dtype"] = value
-        elif name in ("device", "seed"):
+        elif name in ("device", "seed", "cpu_threads"):
             data[name] = value
         elif name == "draft" and value in ("ngram", "none"):
             data["draft"]["kind"] = value
@@ -250,7 +251,7 @@ def with_overrides(cfg: EngineConfig, **overrides: Any) -> EngineConfig:
         elif len(fields_by_name.get(name, [])) == 1:
             data[fields_by_name[name][0]][name] = value
         else:
-            allowed = sorted({*_SHORT_NAMES, "dtype", "device", "seed"} | {
+            allowed = sorted({*_SHORT_NAMES, "dtype", "device", "seed", "cpu_threads"} | {
                 n for n, s in fields_by_name.items() if len(s) == 1})
             raise ConfigError(f"unknown setting '{name}'; allowed: {', '.join(allowed)} (or section__field)")
     return from_dict(data, source="settings")

@@ -118,6 +118,11 @@ class _EmaPoint:
     def update(self, x: float, t: float, alpha: float) -> None:
         # The first few samples are averaged plainly, so one outlier at start-up does not stick.
         w = max(alpha, 1.0 / (self.count + 1))
+        if self.count >= 3:
+            # Winsorised: one stall (a GC pause, a busy core under a 2-thread torch) counts as at
+            # most twice the estimate, so it moves it by alpha at most; a lasting change still
+            # doubles the estimate within ~7 steps and keeps following.
+            t = min(max(t, 0.5 * self.t), 2.0 * self.t)
         self.x += w * (x - self.x)
         self.t += w * (t - self.t)
         self.count += 1

@@ -60,6 +60,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True):
         self.config = config
         self.device = _resolve_device(config.device)
+        if config.cpu_threads:
+            # A serving box that also runs its own client (or other work) is better off with
+            # fewer intra-op threads than cores: a parallel region waits for its slowest thread.
+            torch.set_num_threads(config.cpu_threads)
         torch.manual_seed(config.seed)
         target, self.target_args = load_model(
             config.target.path, dtype=_dtype(config.target.dtype), device=self.device, progress=progress

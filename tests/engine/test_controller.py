@@ -258,3 +258,16 @@ def test_tree_expected_accepted():
 def test_bad_arguments_name_the_value(kw, word):
     with pytest.raises(ValueError, match=word):
         AdaptiveController(**kw)
+
+
+def test_one_stall_barely_moves_the_cost_model_but_a_lasting_change_is_followed():
+    from specserve.controller import CostModel
+
+    costs = CostModel(alpha=0.1)
+    for _ in range(20):
+        costs.observe_verify(1, 2, 0.004)
+    costs.observe_verify(1, 2, 0.200)  # one 50x stall
+    assert costs.t_verify(1, 2) <= 0.004 * 1.11
+    for _ in range(30):  # the machine really got 3x slower
+        costs.observe_verify(1, 2, 0.012)
+    assert abs(costs.t_verify(1, 2) - 0.012) < 0.012 * 0.1
