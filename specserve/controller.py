@@ -96,9 +96,6 @@ class StepStats:
     # first choice at that depth). Optional; without it an accepted alternate is counted as
     # an accepted first choice (acceptance overestimated), so the engine should pass it.
     accepted_ranks: list[list[int]] | None = None
-    # Rows the verify pass really ran, when it also carried prefill chunks (default: B * (n + 1)).
-    # The time is then recorded at that token count, so busy steps still teach the cost model.
-    num_tokens: int | None = None
 
 
 def tree_expected_accepted(path_probs: Sequence[float]) -> float:
@@ -492,7 +489,7 @@ class AdaptiveController:
         if stats.depth > 0 and stats.draft_s > 0:
             self.costs.observe_draft(B, stats.draft_s / stats.depth)
         if stats.verify_s > 0:
-            self.costs.observe_verify(B, stats.num_tokens or B * (stats.num_nodes + 1), stats.verify_s)
+            self.costs.observe_verify(B, B * (stats.num_nodes + 1), stats.verify_s)
         total_s = stats.draft_s + stats.verify_s
         if total_s > 0:
             tokens = sum(stats.num_accepted) + len(stats.num_accepted)

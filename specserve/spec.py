@@ -168,9 +168,8 @@ class Speculator:
 
     def observe(self, batch: SchedulerOutput, plan: Plan, draft_s: float, verify_s: float,
                 num_accepted: list[int], request_ids: list[str]) -> None:
-        """Feed the controller one step's timings and acceptance. A step that also prefills is
-        recorded at the number of rows its target pass really ran (at high load that is most
-        steps); its draft time, which then includes the draft's prefill, is left out."""
+        """Feed the controller one step's timings and acceptance. Steps that also prefill
+        would skew the decode cost model, so their timings are left out."""
         if self.controller is None:
             return
         from specserve.controller import StepStats
@@ -182,10 +181,9 @@ class Speculator:
             depth=plan.depth,
             num_nodes=plan.num_nodes,
             draft_s=0.0 if has_prefill else draft_s,
-            verify_s=verify_s,
+            verify_s=0.0 if has_prefill else verify_s,
             num_accepted=num_accepted,
             request_ids=request_ids,
-            num_tokens=batch.num_batched_tokens if has_prefill else None,
         ))
 
     def prefill_draft(self, batch: SchedulerOutput) -> None:

@@ -271,13 +271,3 @@ def test_one_stall_barely_moves_the_cost_model_but_a_lasting_change_is_followed(
     for _ in range(30):  # the machine really got 3x slower
         costs.observe_verify(1, 2, 0.012)
     assert abs(costs.t_verify(1, 2) - 0.012) < 0.012 * 0.1
-
-
-def test_a_step_that_also_prefilled_is_recorded_at_its_real_row_count():
-    from specserve.controller import AdaptiveController, StepStats
-
-    c = AdaptiveController(max_depth=4)
-    for _ in range(10):  # 8 decoding sequences plus a 200-token prefill chunk in the same pass
-        c.observe(StepStats(batch_size=8, depth=0, num_nodes=0, draft_s=0.0, verify_s=0.050,
-                            num_accepted=[], request_ids=[], num_tokens=208))
-    assert abs(c.costs.t_verify(8, 208) - 0.050) < 1e-9
