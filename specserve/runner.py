@@ -8,7 +8,6 @@ block ids.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -69,7 +68,6 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.kv_caches = model.make_kv_caches(num_blocks, block_size, device=device)
-        self.last_forward_s = 0.0
 
     @property
     def cache_tensors(self) -> list[torch.Tensor]:
@@ -113,15 +111,11 @@ class ModelRunner:
     def forward(self, inp: ForwardInput) -> torch.Tensor | None:
         """Run the rows of `inp`; returns logits of `inp.logit_rows`: [len(logit_rows), vocab]
         (None when no row asks for logits: a prefill chunk only writes KV)."""
-        start = time.perf_counter()
         meta = self.build_metadata(inp)
         input_ids = torch.tensor(inp.input_ids, dtype=torch.int64, device=self.device)
         positions = torch.tensor(inp.positions, dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not inp.logit_rows:
-            self.last_forward_s = time.perf_counter() - start
             return None
         rows = torch.tensor(inp.logit_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
-        self.last_forward_s = time.perf_counter() - start
-        return logits
+        return self.model.compute_logits(hidden.index_select(0, rows))
