@@ -6,7 +6,7 @@ synthetic cost models.
 The quantity maximised is *goodput*, committed tokens per second of one engine step::
 
     goodput(d, n) = sum_i E_i(d, n) / cost(d, n)
-    cost(d, n)    = d * t_draft(B) + t_verify(B, B * (n + 1))        (d = 0: t_verify(B, B))
+    cost(d, n)    = t_step(B) + d * t_draft(B) + t_verify(B, B * (n + 1))    (d = 0: t_verify(B, B))
 
 ``d`` is the depth (draft steps), ``n`` the node budget (tree nodes, root excluded; a chain
 has ``n == d``; ``d = n = 0`` is plain decode with the draft idle). Each of the ``B``
@@ -50,6 +50,17 @@ measured buckets, extrapolate with the last segment's slope beyond the largest (
 tokens), and interpolate in ``log2 B`` between batch buckets. :meth:`AdaptiveController.calibrate`
 warm-starts the tables at start-up from a short measurement.
 
+The shape of a batch bucket's curve (how much a pass of ``2B`` tokens costs more than one of
+``B``) comes from whichever buckets were measured, but its *level* drifts as a whole: contexts
+grow far beyond the calibration's, the machine gets busier. The plan in use refreshes only its
+own bucket, so the buckets it does not use would keep their old level and the comparison would
+be lopsided (plain decode measured at today's contexts against a verify cost from start-up:
+speculation looks cheap exactly when it is not). So each observation also moves the other
+buckets of its batch size by ``level_alpha`` of its ratio to the prediction.
+``t_step(B)`` is the rest of an engine step (scheduling, bookkeeping, streaming the tokens
+out): the same for every plan, so it matters only in that deeper plans spread it over more
+tokens; it is an EMA per batch bucket like the draft step.
+
 **High load.** Once the verify pass is compute-bound, ``t_verify(B, B(n+1)) ~ (n+1) t_verify(B, B)``
 while ``E < n + 1``, so every ``d > 0`` loses to plain decode and the controller falls to
 ``d = 0`` by itself; acceptance alone cannot tell (it stays flat while the best depth flips).
@@ -88,7 +99,7 @@ class StepStats:
     batch_size: int
     depth: int
     num_nodes: int
-    draft_s: float                  # wall time of all `depth` draft steps together
+    draft_s: float                  # wall time of all `depth` draft steps together (0: not representative)
     verify_s: float                 # wall time of the target's verify (or plain decode) pass
     num_accepted: list[int]         # [B] tree nodes accepted per request, bonus token not counted
     request_ids: list[Hashable]     # [B]
@@ -96,6 +107,7 @@ class StepStats:
     # first choice at that depth). Optional; without it an accepted alternate is counted as
     # an accepted first choice (acceptance overestimated), so the engine should pass it.
     accepted_ranks: list[list[int]] | None = None
+    overhead_s: float = 0.0         # the rest of the engine step (scheduling, bookkeeping, outputs)
 
 
 def tree_expected_accepted(path_probs: Sequence[float]) -> float:
@@ -110,10 +122,11 @@ def _bucket(x: int) -> int:
 
 
 class _EmaPoint:
-    __slots__ = ("x", "t", "count")
+    __slots__ = ("x", "t", "count", "ref", "ref_count", "level")
 
     def __init__(self, x: float, t: float):
         self.x, self.t, self.count = float(x), float(t), 1
+        self.ref, self.ref_count, self.level = float(t), 1, 1.0   # used by _Row only
 
     def update(self, x: float, t: float, alpha: float) -> None:
         # The first few samples are averaged plainly, so one outlier at start-up does not stick.
@@ -147,13 +160,73 @@ def _interp_points(points: list[_EmaPoint], x: float) -> float:
     return max(t, 0.1 * points[0].t)
 
 
+class _Row:
+    """t_verify of one batch bucket: a point per token bucket, and the row's level.
+
+    Each point keeps its own EMA ``t`` and the row level current when it was last measured;
+    a point is read as ``t * level / its level``: its latest measurement, moved by whatever
+    the whole row has drifted since. The level is an EMA of measured / reference, a point's
+    reference being its first few measurements brought to level 1 (kept fixed after that, so
+    that a lasting change of the costs is all taken up by the level, which every point reads)."""
+
+    __slots__ = ("points", "level")
+
+    def __init__(self):
+        self.points: dict[int, _EmaPoint] = {}
+        self.level = 1.0
+
+    def current(self) -> list[_EmaPoint]:
+        """The points at today's level, sorted by token count (fresh copies)."""
+        out = []
+        for k in sorted(self.points):
+            p = self.points[k]
+            q = _EmaPoint(p.x, p.t * self.level / p.level)
+            out.append(q)
+        return out
+
+    def predict(self, num_tokens: float) -> float:
+        return _interp_points(self.current(), num_tokens)
+
+    def observe(self, num_tokens: int, seconds: float, alpha: float, level_alpha: float,
+                is_reference: bool = False) -> None:
+        """is_reference: a careful measurement (calibration) that fixes the point's reference."""
+        tb = _bucket(num_tokens)
+        p = self.points.get(tb)
+        if level_alpha > 0 and len(self.points) > (0 if p is None else 1):
+            # Measured against the row's reference shape at today's level; one stall moves
+            # the level by level_alpha of 2x at most.
+            predicted = self.level * (p.ref if p is not None else
+                                      _interp_points(self._reference(), num_tokens))
+            if predicted > 0:
+                ratio = min(max(seconds / predicted, 0.5), 2.0)
+                self.level *= 1.0 + level_alpha * (ratio - 1.0)
+        if p is None:
+            p = self.points[tb] = _EmaPoint(num_tokens, seconds)
+            p.ref = seconds / self.level
+            p.ref_count = 4 if is_reference else 1
+        else:
+            p.t = p.t * self.level / p.level   # bring it to today's level before averaging
+            if is_reference:
+                p.ref, p.ref_count = seconds / self.level, 4
+            elif p.ref_count < 4:   # the reference is the mean of the first few, not one noisy sample
+                p.ref_count += 1
+                p.ref += (seconds / self.level - p.ref) / p.ref_count
+            p.update(num_tokens, seconds, alpha)
+        p.level = self.level
+
+    def _reference(self) -> list[_EmaPoint]:
+        return [_EmaPoint(p.x, p.ref) for _, p in sorted(self.points.items())]
+
+
 class CostModel:
     """Measured step costs: t_draft(B) per draft step and t_verify(B, num_tokens) per pass."""
 
-    def __init__(self, alpha: float = 0.1):
+    def __init__(self, alpha: float = 0.1, level_alpha: float = 0.05):
         self.alpha = alpha
+        self.level_alpha = level_alpha
         self._draft: dict[int, _EmaPoint] = {}                    # batch bucket -> (B, t)
-        self._verify: dict[int, dict[int, _EmaPoint]] = {}        # batch bucket -> token bucket -> (T, t)
+        self._overhead: dict[int, _EmaPoint] = {}                 # batch bucket -> (B, t)
+        self._verify: dict[int, _Row] = {}                          # batch bucket -> its verify costs
 
     @property
     def has_draft(self) -> bool:
@@ -170,19 +243,31 @@ class CostModel:
         else:
             self._draft[b] = _EmaPoint(batch_size, seconds_per_step)
 
-    def observe_verify(self, batch_size: int, num_tokens: int, seconds: float) -> None:
-        row = self._verify.setdefault(_bucket(batch_size), {})
-        tb = _bucket(num_tokens)
-        if tb in row:
-            row[tb].update(num_tokens, seconds, self.alpha)
+    def observe_overhead(self, batch_size: int, seconds: float) -> None:
+        b = _bucket(batch_size)
+        if b in self._overhead:
+            self._overhead[b].update(batch_size, seconds, self.alpha)
         else:
-            row[tb] = _EmaPoint(num_tokens, seconds)
+            self._overhead[b] = _EmaPoint(batch_size, seconds)
+
+    def observe_verify(self, batch_size: int, num_tokens: int, seconds: float, track_level: bool = True) -> None:
+        """`track_level=False` (calibration): set this bucket only, do not move the row's level."""
+        row = self._verify.get(_bucket(batch_size))
+        if row is None:
+            row = self._verify[_bucket(batch_size)] = _Row()
+        row.observe(num_tokens, seconds, self.alpha, self.level_alpha if track_level else 0.0,
+                    is_reference=not track_level)
 
     def t_draft(self, batch_size: int) -> float:
         if not self._draft:
             return 0.0
         points = [self._draft[b] for b in sorted(self._draft)]
         return _interp_points(points, batch_size)
+
+    def t_overhead(self, batch_size: int) -> float:
+        if not self._overhead:
+            return 0.0
+        return _interp_points([self._overhead[b] for b in sorted(self._overhead)], batch_size)
 
     def t_verify(self, batch_size: int, num_tokens: int) -> float:
         if not self._verify:
@@ -191,8 +276,7 @@ class CostModel:
         b = _bucket(batch_size)
 
         def at(bucket: int) -> float:
-            row = self._verify[bucket]
-            return _interp_points([row[k] for k in sorted(row)], num_tokens)
+            return self._verify[bucket].predict(num_tokens)
 
         if b in self._verify:
             return at(b)
@@ -208,8 +292,10 @@ class CostModel:
     def snapshot(self) -> dict:
         return {
             "draft_s_per_step": {b: p.t for b, p in sorted(self._draft.items())},
-            "verify_s": {b: {tb: (p.x, p.t) for tb, p in sorted(row.items())}
+            "step_overhead_s": {b: p.t for b, p in sorted(self._overhead.items())},
+            "verify_s": {b: {tb: (p.x, p.t * row.level / p.level) for tb, p in sorted(row.points.items())}
                          for b, row in sorted(self._verify.items())},
+            "verify_level": {b: row.level for b, row in sorted(self._verify.items())},
         }
 
 
@@ -322,7 +408,7 @@ class AdaptiveController:
                 if n > self.max_num_nodes:
                     continue
                 num_tokens = b * (n + 1)
-                self.costs.observe_verify(b, num_tokens, float(measure_verify(b, num_tokens)))
+                self.costs.observe_verify(b, num_tokens, float(measure_verify(b, num_tokens)), track_level=False)
             if measure_draft is not None:
                 self.costs.observe_draft(b, float(measure_draft(b)))
 
@@ -418,6 +504,7 @@ class AdaptiveController:
         # Before the first draft measurement, guess a draft step at a fraction of a decode
         # pass; the first speculative step replaces the guess with a measurement.
         t_draft = self.costs.t_draft(B) if self.costs.has_draft else self.draft_cost_guess * t_verify0
+        t_step = self.costs.t_overhead(B)
         for d in range(self.max_depth + 1):
             budgets = self._node_budgets(d)
             gains = self._alternate_gains(miss, d, budgets[-1] - d) if d else []
@@ -427,7 +514,7 @@ class AdaptiveController:
             for n in budgets:
                 extra = cum[min(n - d, len(cum) - 1)]
                 total = (chain[d] + extra) * scale
-                cost = d * t_draft + (self.costs.t_verify(B, B * (n + 1)) if d else t_verify0)
+                cost = t_step + d * t_draft + (self.costs.t_verify(B, B * (n + 1)) if d else t_verify0)
                 out[Plan(d, n)] = (total / cost if cost > 0 else 0.0, total / B)
         return out
 
@@ -490,7 +577,9 @@ class AdaptiveController:
             self.costs.observe_draft(B, stats.draft_s / stats.depth)
         if stats.verify_s > 0:
             self.costs.observe_verify(B, B * (stats.num_nodes + 1), stats.verify_s)
-        total_s = stats.draft_s + stats.verify_s
+            if stats.overhead_s > 0:
+                self.costs.observe_overhead(B, stats.overhead_s)
+        total_s = stats.draft_s + stats.verify_s + stats.overhead_s
         if total_s > 0:
             tokens = sum(stats.num_accepted) + len(stats.num_accepted)
             rate = tokens / total_s

@@ -203,10 +203,13 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         plan = self.spec.plan(self.scheduler)
         batch = self.scheduler.schedule(plan.num_nodes)
         new_tokens = self.spec.run(batch, plan) if plan.num_nodes else self._decode(batch)
-        return self._postprocess(batch, new_tokens)
+        outputs = self._postprocess(batch, new_tokens)
+        self.spec.end_step(time.perf_counter() - start)
+        return outputs
 
     def _decode(self, batch: SchedulerOutput) -> dict[str, list[int]]:
         """Plain step: one target forward over every scheduled row; a token for each sequence

@@ -79,6 +79,9 @@ class NoSpeculation:
     def observe(self, *args) -> None:
         pass
 
+    def end_step(self, step_s: float) -> None:
+        pass
+
     def calibrate(self, *args, **kwargs) -> None:
         pass
 
@@ -96,6 +99,8 @@ class Speculator:
         self.totals = SpecTotals()
         spec = config.spec
         self.tree_kind = spec.tree if drafter.has_kv else "chain"
+        self._step_stats = None  # this step's StepStats, completed by end_step()
+        self._step_measured_s = 0.0  # its draft + verify time
 
     # -- the plan ------------------------------------------------------------------------
 
@@ -167,24 +172,36 @@ class Speculator:
             )
 
     def observe(self, batch: SchedulerOutput, plan: Plan, draft_s: float, verify_s: float,
-                num_accepted: list[int], request_ids: list[str]) -> None:
-        """Feed the controller one step's timings and acceptance. Steps that also prefill
-        would skew the decode cost model, so their timings are left out."""
+                num_accepted: list[int], request_ids: list[str], draft_is_typical: bool = True) -> None:
+        """This step's timings and acceptance, for the controller once end_step() adds the
+        rest of the step's time. Steps that also prefill would skew the decode cost model, so
+        their timings are left out (their acceptance still counts), as is a draft time that
+        is more than plain draft steps (draft_is_typical=False, see run())."""
         if self.controller is None:
             return
         from specserve.controller import StepStats
 
         decoding = [s for s in batch.seqs if not _is_prefill(s)]
         has_prefill = len(decoding) != len(batch.seqs)
-        self.controller.observe(StepStats(
+        self._step_stats = StepStats(
             batch_size=len(decoding),
             depth=plan.depth,
             num_nodes=plan.num_nodes,
-            draft_s=0.0 if has_prefill else draft_s,
+            draft_s=0.0 if has_prefill or not draft_is_typical else draft_s,
             verify_s=0.0 if has_prefill else verify_s,
             num_accepted=num_accepted,
             request_ids=request_ids,
-        ))
+        )
+        self._step_measured_s = draft_s + verify_s
+
+    def end_step(self, step_s: float) -> None:
+        """The engine step is over (outputs built): hand the controller what it measured."""
+        stats, self._step_stats = self._step_stats, None
+        if stats is None:
+            return
+        if stats.verify_s > 0:
+            stats.overhead_s = max(0.0, step_s - self._step_measured_s)
+        self.controller.observe(stats)
 
     def prefill_draft(self, batch: SchedulerOutput) -> None:
         if self.drafter.has_kv:
@@ -205,6 +222,10 @@ class Speculator:
         t0 = time.perf_counter()
         spec_seqs = [s for s in batch.seqs if s.num_spec_nodes > 0]
         prefills = [s for s in batch.seqs if _is_prefill(s)]
+        # The draft's first forward also catches it up on what it has not seen: normally the
+        # pending token and the accepted run (at most depth + 1 tokens); after a spell at
+        # depth 0, a whole backlog. Such a step's draft time says nothing about a draft step.
+        backlog = max((s.request.num_tokens - s.request.num_draft_computed_tokens for s in spec_seqs), default=0)
         trees = self.drafter.propose(spec_seqs, self.shape(plan.depth), prefills)
         tree_of = {s.request.request_id: t for s, t in zip(spec_seqs, trees) if t.num_nodes > 0}
         t1 = time.perf_counter()
@@ -250,6 +271,7 @@ class Speculator:
             batch, plan, t1 - t0, t2 - t1,
             [len(new_tokens[s.request.request_id]) - 1 for s, _, _ in verified],
             [s.request.request_id for s, _, _ in verified],
+            draft_is_typical=backlog <= plan.depth + 1,
         )
         return new_tokens
 

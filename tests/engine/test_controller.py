@@ -125,8 +125,8 @@ def test_falls_to_zero_under_load_and_climbs_back():
 def test_expected_length_matches_chain_formula():
     ctrl = AdaptiveController(max_depth=3, prior_acceptance=0.5)
     ctrl.acceptance = [0.8, 0.5, 0.25]
-    ctrl.costs.observe_verify(1, 1, 1.0)
-    ctrl.costs.observe_verify(1, 4, 1.0)
+    ctrl.costs.observe_verify(1, 1, 1.0, track_level=False)
+    ctrl.costs.observe_verify(1, 4, 1.0, track_level=False)
     ctrl.costs.observe_draft(1, 0.5)
     scores = ctrl.evaluate(1, ["x"])
     # E(3) = 1 + 0.8 + 0.8*0.5 + 0.8*0.5*0.25 = 2.3; cost = 3*0.5 + 1.0
@@ -141,17 +141,59 @@ def test_cost_model_interpolates_and_extrapolates_linearly():
     cm = CostModel()
     truth = lambda b, t: 0.01 + 0.001 * t  # noqa: E731
     for t in (4, 8, 32):
-        cm.observe_verify(4, t, truth(4, t))
+        cm.observe_verify(4, t, truth(4, t), track_level=False)
     assert cm.t_verify(4, 16) == pytest.approx(truth(4, 16))
     assert cm.t_verify(4, 200) == pytest.approx(truth(4, 200))   # beyond the largest bucket
     # A batch bucket between two measured ones is interpolated in log2 B.
     for t in (16, 64):
-        cm.observe_verify(16, t, 2 * truth(16, t))
+        cm.observe_verify(16, t, 2 * truth(16, t), track_level=False)
     v4, v16 = cm.t_verify(4, 32), cm.t_verify(16, 32)
     assert cm.t_verify(8, 32) == pytest.approx((v4 + v16) / 2)
     cm.observe_draft(1, 0.001)
     cm.observe_draft(8, 0.008)
     assert cm.t_draft(4) == pytest.approx(0.004)
+
+
+def test_unused_buckets_follow_the_level_of_the_used_one():
+    # Calibrated at start-up; then every pass costs 1.5x (longer contexts) but only the plain
+    # decode bucket is measured. The verify bucket keeps its shape and takes the new level.
+    cm = CostModel()
+    for t in (64, 128, 256):
+        cm.observe_verify(64, t, compute_bound_verify(64, t), track_level=False)
+    for _ in range(200):
+        cm.observe_verify(64, 64, 1.5 * compute_bound_verify(64, 64))
+    assert cm.t_verify(64, 64) == pytest.approx(1.5 * compute_bound_verify(64, 64), rel=0.02)
+    assert cm.t_verify(64, 128) == pytest.approx(1.5 * compute_bound_verify(64, 128), rel=0.05)
+
+
+def test_growing_costs_do_not_pull_a_busy_server_into_speculating():
+    # Compute-bound at batch 64 and every pass getting dearer as the contexts grow (1x to 4x
+    # over the run): plain decode stays best throughout (d=1 buys 1.7 tokens for twice the
+    # verify). Read at their old level, the verify buckets plain decode does not refresh
+    # would make d=1 look cheaper and cheaper; the controller must not follow them.
+    rng = random.Random(7)
+    ctrl = calibrated(compute_bound_verify, cheap_draft)
+    calls = [0]
+
+    def growing(b, t):
+        calls[0] += 1
+        return (1.0 + calls[0] / 100) * compute_bound_verify(b, t)
+
+    plans = simulate(ctrl, 300, 64, 0.7, growing, cheap_draft, rng)
+    assert sum(p.depth == 0 for p in plans) >= 285
+
+
+def test_step_overhead_favours_deeper_plans():
+    # A fixed cost per engine step is spread over the tokens of the step: with it the best
+    # depth is deeper than without.
+    def best_depth(overhead):
+        ctrl = calibrated(roofline_verify, cheap_draft)
+        ctrl.acceptance = [0.6] * ctrl.max_depth
+        for _ in range(5):
+            ctrl.costs.observe_overhead(1, overhead)
+        scores = ctrl.evaluate(1, ["a"])
+        return max(scores, key=lambda p: scores[p][0]).depth
+    assert best_depth(0.05) > best_depth(0.0)
 
 
 def test_cost_model_smooths_noise():
