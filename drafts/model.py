@@ -125,14 +125,15 @@ class ModelDrafter:
         logits rows (in order) belong to sequence i; logits: [sum of those, V]."""
         if self.vocab_limit is not None and logits.shape[1] > self.vocab_limit:
             logits = logits[:, : self.vocab_limit]
-        params = [g.req.params for g, plist in zip(active, parents) for _ in plist]
-        tensors = SamplingTensors.from_params(params, logits.device)
         width = 1 if shape.kind == "chain" else (
             shape.branching[depth - 1] if shape.kind == "fixed" else shape.topk)
-        if tensors.all_greedy:
-            # Greedy requests: the draft's own softmax ranks children (no top-k/top-p to apply).
+        if all(g.req.params.is_greedy for g in active):
+            # Greedy requests: the draft's own softmax ranks children (no top-k/top-p to apply),
+            # and a chain needs only the argmax, so no per-row sampling tensors are built.
             q = None if shape.kind == "chain" else torch.softmax(logits.float(), dim=-1)
         else:
+            params = [g.req.params for g, plist in zip(active, parents) for _ in plist]
+            tensors = SamplingTensors.from_params(params, logits.device)
             q = target_probs(logits, tensors.temperature, tensors.top_k, tensors.top_p)  # [R, V]
         if shape.kind == "chain" and q is None:
             chosen = logits.argmax(dim=-1).tolist()

@@ -9,6 +9,7 @@ block ids.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -73,49 +74,61 @@ class ModelRunner:
     def cache_tensors(self) -> list[torch.Tensor]:
         return [t for pair in self.kv_caches for t in pair]
 
-    def build_metadata(self, inp: ForwardInput) -> AttentionMetadata:
-        dev = self.device
+    def prepare(self, inp: ForwardInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The tensors of one forward: (input_ids [T] int64, positions [T] int64, metadata,
+        logit_rows [len(inp.logit_rows)] int64). A draft step is a row or a few, so each
+        tensor creation (and each host->device copy) is a visible share of it: all int64
+        inputs are views of one buffer, and all int32 metadata views of another."""
+        num_rows, num_seqs = inp.num_rows, len(inp.seq_lens)
+        longs = torch.tensor(
+            inp.input_ids + inp.positions + inp.slot_mapping + inp.logit_rows, dtype=torch.int64, device=self.device
+        )
+        input_ids, positions, slot_mapping, logit_rows = longs.split_with_sizes([num_rows, num_rows, num_rows, len(inp.logit_rows)])
+        cu = list(accumulate(inp.query_lens, initial=0))
         max_blocks = max(len(bt) for bt in inp.block_tables)
-        block_tables = torch.zeros(len(inp.block_tables), max_blocks, dtype=torch.int32)
-        for i, bt in enumerate(inp.block_tables):
-            if bt:
-                block_tables[i, : len(bt)] = torch.tensor(bt, dtype=torch.int32)
-        cu = [0]
-        for q in inp.query_lens:
-            cu.append(cu[-1] + q)
+        ints = cu + inp.seq_lens  # then each block table, zero-padded to max_blocks
+        for bt in inp.block_tables:
+            ints += bt
+            if len(bt) < max_blocks:
+                ints += [0] * (max_blocks - len(bt))
+        ints = torch.tensor(ints, dtype=torch.int32, device=self.device)
+        cu_query_lens, seq_lens, block_tables = ints.split_with_sizes([num_seqs + 1, num_seqs, num_seqs * max_blocks])
         max_q = max(inp.query_lens)
         custom_mask = None
         if any(m is not None for m in inp.masks):
-            custom_mask = torch.zeros(inp.num_rows, max_q, dtype=torch.bool)
+            custom_mask = torch.zeros(num_rows, max_q, dtype=torch.bool)
             for i, m in enumerate(inp.masks):
                 q = inp.query_lens[i]
                 if m is None:
                     custom_mask[cu[i] : cu[i + 1], :q] = torch.ones(q, q, dtype=torch.bool).tril()
                 else:
                     custom_mask[cu[i] : cu[i + 1], :q] = torch.tensor(m, dtype=torch.bool)
-            custom_mask = custom_mask.to(dev)
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(inp.slot_mapping, dtype=torch.int64, device=dev),
-            block_tables=block_tables.to(dev),
-            cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(inp.seq_lens, dtype=torch.int32, device=dev),
+            custom_mask = custom_mask.to(self.device)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables.view(num_seqs, max_blocks),
+            cu_query_lens=cu_query_lens,
+            seq_lens=seq_lens,
             max_query_len=max_q,
             max_seq_len=max(inp.seq_lens),
             custom_mask=custom_mask,
-            has_skipped_slots=any(slot < 0 for slot in inp.slot_mapping),
+            has_skipped_slots=num_rows > 0 and min(inp.slot_mapping) < 0,
             cu_query_lens_list=cu,
             seq_lens_list=list(inp.seq_lens),
         )
+        return input_ids, positions, meta, logit_rows
 
     @torch.inference_mode()
     def forward(self, inp: ForwardInput) -> torch.Tensor | None:
         """Run the rows of `inp`; returns logits of `inp.logit_rows`: [len(logit_rows), vocab]
         (None when no row asks for logits: a prefill chunk only writes KV)."""
-        meta = self.build_metadata(inp)
-        input_ids = torch.tensor(inp.input_ids, dtype=torch.int64, device=self.device)
-        positions = torch.tensor(inp.positions, dtype=torch.int64, device=self.device)
+        input_ids, positions, meta, logit_rows = self.prepare(inp)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not inp.logit_rows:
+        rows = inp.logit_rows
+        if not rows:
             return None
-        rows = torch.tensor(inp.logit_rows, dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        if rows == list(range(rows[0], rows[0] + len(rows))):  # a run of rows (decode, verify, chain draft)
+            hidden = hidden[rows[0] : rows[0] + len(rows)]
+        else:
+            hidden = hidden.index_select(0, logit_rows)
+        return self.model.compute_logits(hidden)

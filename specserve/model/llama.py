@@ -343,7 +343,7 @@ class CausalLM(nn.Module):
         return self.norm.forward(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32/float64
-        logits = self.output(hidden)
+        logits = F.linear(hidden, self.output.weight)  # the head has no bias
         return logits.double() if logits.dtype == torch.float64 else logits.float()
 
     def make_kv_caches(
