@@ -647,4 +647,5 @@ class AdaptiveController:
             "num_plan_changes": self.num_plan_changes,
             "num_probes": self.num_probes,
             "num_tracked_requests": len(self._requests),
+            "costs": self.costs.snapshot(),
         }

@@ -60,6 +60,62 @@ class _EngineCollector:
         g = GaugeMetricFamily("specserve_spec_depth", "Speculation depth in use (0 = plain decode).")
         g.add_metric([], totals.last_depth)
         yield g
+        controller = getattr(engine.spec, "controller", None)
+        if controller is not None:
+            yield from _controller_metrics(controller.snapshot())
+
+
+def _controller_metrics(snap: dict):
+    """The adaptive controller's decisions and what it based them on (DESIGN.md §6)."""
+    c = CounterMetricFamily("specserve_controller_steps", "Engine steps planned at each depth (the depth histogram).",
+                            labels=["depth"])
+    for depth, count in snap["depth_histogram"].items():
+        c.add_metric([str(depth)], count)
+    yield c
+    g = GaugeMetricFamily("specserve_controller_acceptance_estimate",
+                          "Estimated probability that the draft's token at `position` is accepted, given the ones "
+                          "before it were.", labels=["position"])
+    for pos, a in enumerate(snap["acceptance_per_position"]):
+        g.add_metric([str(pos + 1)], a)
+    yield g
+    for name, key, doc in (
+        ("specserve_controller_goodput_estimate", "goodput_estimate",
+         "Predicted committed tokens per second of the plan in use."),
+        ("specserve_controller_measured_goodput", "measured_goodput",
+         "Committed tokens per second of recent steps (moving average)."),
+        ("specserve_controller_expected_tokens_per_pass", "expected_tokens_per_pass",
+         "Predicted tokens per sequence per target pass of the plan in use."),
+        ("specserve_controller_num_nodes", "num_nodes", "Tree nodes per sequence of the plan in use."),
+    ):
+        g = GaugeMetricFamily(name, doc)
+        g.add_metric([], snap[key])
+        yield g
+    for name, key, doc in (
+        ("specserve_controller_plan_changes", "num_plan_changes", "Times the controller switched plans."),
+        ("specserve_controller_probes", "num_probes", "Steps run one level deeper to re-measure acceptance."),
+    ):
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], snap[key])
+        yield c
+    costs = snap["costs"]
+    for name, key, doc in (
+        ("specserve_controller_draft_step_seconds", "draft_s_per_step", "Measured time of one draft step."),
+        ("specserve_controller_step_overhead_seconds", "step_overhead_s",
+         "Measured time of an engine step outside the draft and the target's pass."),
+        ("specserve_controller_verify_level", "verify_level",
+         "Verify costs now relative to when first measured (1 = unchanged)."),
+    ):
+        g = GaugeMetricFamily(name, doc + " Per batch-size bucket.", labels=["batch_size"])
+        for bucket, value in costs.get(key, {}).items():
+            g.add_metric([str(bucket)], value)
+        yield g
+    g = GaugeMetricFamily("specserve_controller_verify_seconds",
+                          "Measured time of the target's pass per batch-size bucket and token count.",
+                          labels=["batch_size", "num_tokens"])
+    for bucket, row in costs.get("verify_s", {}).items():
+        for _, (num_tokens, seconds) in row.items():
+            g.add_metric([str(bucket), str(round(num_tokens))], seconds)
+    yield g
 
 
 class ServerMetrics:
