@@ -102,7 +102,10 @@ def main(argv=None):
     p.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--concurrency", nargs="*", type=int, default=list(CONCURRENCIES))
     p.add_argument("--prompts-per-concurrency", type=int, default=4,
-                   help="num prompts = max(16, this x concurrency) unless --num-prompts is passed after --")
+                   help="num prompts = max(--min-prompts, this x concurrency) unless --num-prompts is passed after --")
+    p.add_argument("--min-prompts", type=int, default=16,
+                   help="fewest prompts per cell: low concurrencies finish a handful of prompts in a few "
+                        "seconds, too short a run to compare settings a few percent apart")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--out-dir", default="results/sweep")
     args = p.parse_args(argv)
@@ -129,7 +132,7 @@ def main(argv=None):
                 lg = ["--base-url", base, "--model", args.model, "--max-concurrency", str(conc),
                       "--label", setting, "--out", str(path), "--scrape-interval", "0.5"]
                 if "--num-prompts" not in extra:
-                    lg += ["--num-prompts", str(max(16, args.prompts_per_concurrency * conc))]
+                    lg += ["--num-prompts", str(max(args.min_prompts, args.prompts_per_concurrency * conc))]
                 print(f"== {setting} concurrency {conc}", file=sys.stderr)
                 results.append(loadgen.main(lg + extra))
         finally:
