@@ -55,3 +55,19 @@ def test_uniform_batch_path_equals_explicit(q_len, tree, seed):
     got = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, 0.3)
     assert "uniform_mask" in meta.scratch, "the batched path was not taken"
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_len,tree", [(2, False), (4, True), (9, True)])
+@pytest.mark.parametrize("seed", range(3))
+def test_few_rows_path_equals_explicit(q_len, tree, seed):
+    # One sequence with a few query rows (a verified tree, a draft catch-up) takes the stacked
+    # matmul path with its additive mask; it must equal the float64 explicit computation.
+    q, k_cache, v_cache, meta = make_case(1, q_len, tree, seed)
+    expected = reference.paged_attention(q, k_cache, v_cache, meta, 0.3)
+    meta.scratch.clear()
+    got = reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, 0.3)
+    assert ("bias", 0) in meta.scratch, "the few-rows path was not taken"
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+    meta.scratch.clear()  # the scratch belongs to one forward, in one dtype
+    half = reference.paged_attention(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), meta, 0.3)
+    torch.testing.assert_close(half.double(), expected, atol=3e-2, rtol=3e-2)
