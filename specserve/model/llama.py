@@ -156,16 +156,28 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:  # [head_dim // 2] float64
 
 def apply_rope(
     x: torch.Tensor,  # [T, H, D]
-    cos: torch.Tensor,  # [T, D // 2]
-    sin: torch.Tensor,  # [T, D // 2]
+    cos: torch.Tensor,  # [T, D // 2], or [T, 1, D] from rope_full_tables
+    sin: torch.Tensor,  # [T, D // 2], or [T, 1, D] from rope_full_tables
 ) -> torch.Tensor:  # [T, H, D]
     """Rotate pairs (x[i], x[i + D/2]) by angle position * inv_freq[i] (the HF "rotate_half"
-    layout, not the interleaved one of the original Meta checkpoints)."""
-    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
-    if cos.dim() == 2:  # CausalLM.forward passes them prepared: [T, 1, D/2] in x's dtype
-        cos = cos[:, None, :].to(x.dtype)
-        sin = sin[:, None, :].to(x.dtype)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    layout, not the interleaved one of the original Meta checkpoints):
+        out[:D/2] = x1 * cos - x2 * sin,  out[D/2:] = x2 * cos + x1 * sin.
+    With full-width tables, cos = [cos, cos] and sin = [-sin, sin], this is
+    x * cos + roll(x, D/2) * sin: 4 ops instead of 8 in every layer, and the same bits
+    (a - b == a + (-b) in IEEE arithmetic)."""
+    if cos.dim() == 2:
+        cos, sin = rope_full_tables(cos, sin, x.dtype)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+def rope_full_tables(
+    cos: torch.Tensor,  # [T, D // 2]
+    sin: torch.Tensor,  # [T, D // 2]
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [T, 1, D] in dtype
+    """The [cos, cos] and [-sin, sin] tables apply_rope rotates with, built once per forward."""
+    cos, sin = cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -211,8 +223,8 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, H]
-        cos: torch.Tensor,  # [T, D/2]
-        sin: torch.Tensor,  # [T, D/2]
+        cos: torch.Tensor,  # [T, 1, D] (rope_full_tables)
+        sin: torch.Tensor,  # [T, 1, D]
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [NB, BS, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
@@ -335,9 +347,8 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H], after the final norm
         x = self.tok_embeddings(input_ids)  # [T, H]
-        # Gathered and cast once per forward, not in every layer.
-        cos = self.rope_cos[positions][:, None, :].to(x.dtype)  # [T, 1, D/2]
-        sin = self.rope_sin[positions][:, None, :].to(x.dtype)  # [T, 1, D/2]
+        # Gathered, cast and widened once per forward, not in every layer.
+        cos, sin = rope_full_tables(self.rope_cos[positions], self.rope_sin[positions], x.dtype)  # [T, 1, D] each
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer.forward(x, cos, sin, kv_cache, meta)
         return self.norm.forward(x)
