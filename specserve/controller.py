@@ -65,8 +65,10 @@ tokens; it is an EMA per batch bucket like the draft step.
 while ``E < n + 1``, so every ``d > 0`` loses to plain decode and the controller falls to
 ``d = 0`` by itself; acceptance alone cannot tell (it stays flat while the best depth flips).
 
-**Exploration.** A position never observed takes the estimate of the position above it.
-Positions deeper than the steps actually verified get no fresh data: their global estimate
+**Exploration.** A position's global estimate is shrunk toward the estimate of the position
+above it by its recent data (observations, fading by ``weight_decay`` per step without one):
+never observed, it takes the estimate above; seen a few times long ago, it mostly does.
+Positions deeper than the steps actually verified get no fresh data: their global EMA
 decays slowly toward the estimate of the position above it (position 1: toward
 ``prior_acceptance``), and a request's own stale positions lose weight toward the global. After ``probe_interval`` steps
 without data for the position just below the current depth, one step is run one level deeper
@@ -322,6 +324,8 @@ class AdaptiveController:
         request_shrinkage: float = 4.0,
         cost_alpha: float = 0.1,
         stale_decay: float = 0.005,
+        position_shrinkage: float = 4.0,
+        weight_decay: float = 0.01,
         request_stale_decay: float = 0.02,
         switch_margin: float = 0.03,
         switch_patience: int = 20,
@@ -365,6 +369,8 @@ class AdaptiveController:
         self.request_alpha = request_alpha
         self.request_shrinkage = request_shrinkage
         self.stale_decay = stale_decay
+        self.position_shrinkage = position_shrinkage
+        self.weight_decay = weight_decay
         self.request_stale_decay = request_stale_decay
         self.switch_margin = switch_margin
         self.switch_patience = switch_patience
@@ -379,6 +385,7 @@ class AdaptiveController:
         self._requests: dict[Hashable, _RequestAcceptance] = {}
         self._steps_since_seen = [0] * max_depth   # steps since position k got data
         self._num_seen = [0] * max_depth           # observations of position k, ever
+        self._weight = [0.0] * max_depth           # observations of position k, fading when stale
 
         # Decision state and exported metrics.
         self.current = self.static_plan if mode == "static" else Plan(0, 0)
@@ -418,13 +425,17 @@ class AdaptiveController:
 
     # ---------------------------------------------------------------- estimates
     def global_acceptance(self) -> list[float]:
-        """[max_depth] global a_k; a position never observed takes the estimate of the one
-        above it (acceptance falls slowly with depth), so that a prior below the measured
-        acceptance does not hold the depth down until a probe happens to reach it."""
+        """[max_depth] global a_k, each position's EMA shrunk toward the estimate of the
+        position above by how much recent data it has: ``(w_k ema_k + s g_{k-1}) / (w_k + s)``.
+        A position never observed (w = 0) takes the estimate above it (acceptance falls slowly
+        with depth), and one seen a few times long ago leans on it, so that a low guess from
+        thin or old data does not hold the depth down until a probe happens to reach it."""
         g = list(self.acceptance)
+        s = self.position_shrinkage
         for k in range(1, len(g)):
-            if self._num_seen[k] == 0 and self._num_seen[k - 1] > 0:
-                g[k] = g[k - 1]
+            w = self._weight[k]
+            if s > 0:   # position_shrinkage = 0: every position stands on its own EMA
+                g[k] = (w * g[k] + s * g[k - 1]) / (w + s)
         return g
 
     def request_acceptance(self, request_id: Hashable, global_acc: list[float] | None = None) -> list[float]:
@@ -611,6 +622,7 @@ class AdaptiveController:
                     self.acceptance[k] = self.global_acceptance()[k]
                 self.acceptance[k] += ga * (spine - self.acceptance[k])
                 self._num_seen[k] += 1
+                self._weight[k] += 1.0
                 r.ema[k] += ra * (spine - r.ema[k])
                 r.count[k] += 1
                 if spine == 0.0:
@@ -626,6 +638,7 @@ class AdaptiveController:
                 self._steps_since_seen[k] = 0
             else:
                 self._steps_since_seen[k] += 1
+                self._weight[k] *= 1.0 - self.weight_decay
                 target = self.prior_acceptance if k == 0 else self.acceptance[k - 1]
                 self.acceptance[k] += self.stale_decay * (target - self.acceptance[k])
 

@@ -123,7 +123,7 @@ def test_falls_to_zero_under_load_and_climbs_back():
 
 
 def test_expected_length_matches_chain_formula():
-    ctrl = AdaptiveController(max_depth=3, prior_acceptance=0.5)
+    ctrl = AdaptiveController(max_depth=3, prior_acceptance=0.5, position_shrinkage=0.0)
     ctrl.acceptance = [0.8, 0.5, 0.25]
     ctrl.costs.observe_verify(1, 1, 1.0, track_level=False)
     ctrl.costs.observe_verify(1, 4, 1.0, track_level=False)
@@ -313,3 +313,23 @@ def test_one_stall_barely_moves_the_cost_model_but_a_lasting_change_is_followed(
     for _ in range(30):  # the machine really got 3x slower
         costs.observe_verify(1, 2, 0.012)
     assert abs(costs.t_verify(1, 2) - 0.012) < 0.012 * 0.1
+
+
+def test_deep_positions_with_thin_or_old_data_lean_on_the_position_above():
+    # Position 3 was seen twice, long ago, both rejected; positions 1-2 are measured every step
+    # at 0.9. Its estimate must lean on position 2's, not stay at the two old rejections.
+    ctrl = AdaptiveController(max_depth=4, prior_acceptance=0.5)
+    ctrl.observe(StepStats(batch_size=1, depth=3, num_nodes=3, draft_s=0.001, verify_s=0.01,
+                           num_accepted=[2], request_ids=["a"]))
+    ctrl.observe(StepStats(batch_size=1, depth=3, num_nodes=3, draft_s=0.001, verify_s=0.01,
+                           num_accepted=[2], request_ids=["a"]))
+    rng = random.Random(0)
+    for _ in range(60):
+        n = 2 if rng.random() < 0.81 else (1 if rng.random() < 0.5 else 0)
+        ctrl.observe(StepStats(batch_size=1, depth=2, num_nodes=2, draft_s=0.001, verify_s=0.01,
+                               num_accepted=[n], request_ids=["b"]))
+    g = ctrl.global_acceptance()
+    assert g[1] > 0.8
+    assert g[2] > 0.75   # the raw EMA of position 3 is still well below (two rejections, then drift)
+    assert ctrl.acceptance[2] < 0.65   # what position 3 would read on its own EMA
+    assert g[3] > 0.75                 # never observed: borrows from above
