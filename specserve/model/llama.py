@@ -231,9 +231,10 @@ class Attention(nn.Module):
         T = x.shape[0]
         if hasattr(self, "wqkv"):
             q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            # F.linear rather than the module: at batch 1 a module call's overhead is
-            # a noticeable share of a small model's step.
-            q, k, v = F.linear(x, self.wqkv.weight, self.wqkv.bias).split([q_dim, kv_dim, kv_dim], dim=-1)
+            # F.linear rather than the module, split_with_sizes rather than Tensor.split (a Python
+            # wrapper): at batch 1 such call overheads are a noticeable share of a small model's step.
+            qkv = F.linear(x, self.wqkv.weight, self.wqkv.bias)
+            q, k, v = qkv.split_with_sizes([q_dim, kv_dim, kv_dim], dim=-1)
         else:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)
         q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -242,7 +243,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # Qwen3: per-head norm, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         # q and k rotate together: one RoPE over [T, Hq + Hkv, D].
-        q, k = apply_rope(torch.cat([q, k], dim=1), cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = apply_rope(torch.cat([q, k], dim=1), cos, sin).split_with_sizes(
+            [self.num_heads, self.num_kv_heads], dim=1)
         k = k.contiguous()
         k_cache, v_cache = kv_cache
         # This step's K/V go into the pool first; attention then reads every visible key
