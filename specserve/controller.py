@@ -6,7 +6,7 @@ synthetic cost models.
 The quantity maximised is *goodput*, committed tokens per second of one engine step::
 
     goodput(d, n) = sum_i E_i(d, n) / cost(d, n)
-    cost(d, n)    = t_step(B) + d * t_draft(B) + t_verify(B, B * (n + 1))    (d = 0: t_verify(B, B))
+    cost(d, n)    = t_step(B) + t_draft(B, d) + t_verify(B, B * (n + 1))    (d = 0: t_step(B) + t_verify(B, B))
 
 ``d`` is the depth (draft steps), ``n`` the node budget (tree nodes, root excluded; a chain
 has ``n == d``; ``d = n = 0`` is plain decode with the draft idle). Each of the ``B``
@@ -42,7 +42,8 @@ per-position EMA by its number of observations (a new request uses the global on
 
     a_ik = (c_ik * ema_ik + s * g_k) / (c_ik + s)
 
-**Cost model.** ``t_draft(B)`` (seconds per draft step) and ``t_verify(B, T)`` (seconds per
+**Cost model.** ``t_draft(B, d)`` (seconds of ``d`` draft levels; not ``d`` times one level: the
+first also catches the draft up and runs with the caches cold after the target's pass) and ``t_verify(B, T)`` (seconds per
 verify pass over ``T`` tokens) are measured online: batch sizes bucketed in powers of two,
 token counts in power-of-two buckets inside each batch bucket, each bucket an EMA of the
 time and of the exact ``T`` it saw. Queries interpolate piecewise-linearly in ``T`` between
@@ -171,19 +172,24 @@ class _Row:
     reference being its first few measurements brought to level 1 (kept fixed after that, so
     that a lasting change of the costs is all taken up by the level, which every point reads)."""
 
-    __slots__ = ("points", "level")
+    __slots__ = ("points", "level", "key", "_current")
 
-    def __init__(self):
+    def __init__(self, key: Callable[[int], int] = None):
         self.points: dict[int, _EmaPoint] = {}
         self.level = 1.0
+        self.key = key or _bucket   # x -> the point it updates (token counts: power-of-two buckets)
+        self._current: list[_EmaPoint] | None = None   # cache of current(), until the next observe
 
     def current(self) -> list[_EmaPoint]:
-        """The points at today's level, sorted by token count (fresh copies)."""
+        """The points at today's level, sorted by token count (copies; do not modify)."""
+        if self._current is not None:
+            return self._current
         out = []
         for k in sorted(self.points):
             p = self.points[k]
             q = _EmaPoint(p.x, p.t * self.level / p.level)
             out.append(q)
+        self._current = out
         return out
 
     def predict(self, num_tokens: float) -> float:
@@ -192,7 +198,8 @@ class _Row:
     def observe(self, num_tokens: int, seconds: float, alpha: float, level_alpha: float,
                 is_reference: bool = False) -> None:
         """is_reference: a careful measurement (calibration) that fixes the point's reference."""
-        tb = _bucket(num_tokens)
+        self._current = None
+        tb = self.key(num_tokens)
         p = self.points.get(tb)
         if level_alpha > 0 and len(self.points) > (0 if p is None else 1):
             # Measured against the row's reference shape at today's level; one stall moves
@@ -226,7 +233,8 @@ class CostModel:
     def __init__(self, alpha: float = 0.1, level_alpha: float = 0.05):
         self.alpha = alpha
         self.level_alpha = level_alpha
-        self._draft: dict[int, _EmaPoint] = {}                    # batch bucket -> (B, t)
+        self._draft: dict[int, _EmaPoint] = {}                    # batch bucket -> (B, t) of one draft level
+        self._draft_rows: dict[int, _Row] = {}                    # batch bucket -> total draft time by depth
         self._overhead: dict[int, _EmaPoint] = {}                 # batch bucket -> (B, t)
         self._verify: dict[int, _Row] = {}                          # batch bucket -> its verify costs
 
@@ -244,6 +252,42 @@ class CostModel:
             self._draft[b].update(batch_size, seconds_per_step, self.alpha)
         else:
             self._draft[b] = _EmaPoint(batch_size, seconds_per_step)
+
+    def observe_draft_total(self, batch_size: int, depth: int, seconds: float) -> None:
+        """All `depth` draft levels of one step took `seconds`."""
+        row = self._draft_rows.get(_bucket(batch_size))
+        if row is None:
+            row = self._draft_rows[_bucket(batch_size)] = _Row(key=int)   # a point per depth
+        row.observe(depth, seconds, self.alpha, self.level_alpha)
+
+    def t_draft_total(self, batch_size: int, depth: int) -> float:
+        """Seconds of `depth` draft levels. Measured totals by depth where the engine has run
+        (piecewise-linear in depth like the verify rows: the first level costs more than the
+        others, as it also catches the draft up and runs with the caches cold after the target's
+        pass); batch buckets without any fall back on depth x the start-up per-level time."""
+        if depth <= 0:
+            return 0.0
+        buckets = sorted(set(self._draft_rows) | set(self._draft))
+        if not buckets:
+            return 0.0
+
+        def at(bucket: int) -> float:
+            row = self._draft_rows.get(bucket)
+            if row is not None:
+                return row.predict(depth)
+            return depth * self._draft[bucket].t
+
+        b = _bucket(batch_size)
+        if b in buckets:
+            return at(b)
+        i = bisect.bisect_left(buckets, b)
+        if i == 0:
+            return at(buckets[0])
+        if i == len(buckets):
+            return at(buckets[-1])
+        lo, hi = buckets[i - 1], buckets[i]
+        f = (math.log2(b) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+        return (1 - f) * at(lo) + f * at(hi)
 
     def observe_overhead(self, batch_size: int, seconds: float) -> None:
         b = _bucket(batch_size)
@@ -294,6 +338,8 @@ class CostModel:
     def snapshot(self) -> dict:
         return {
             "draft_s_per_step": {b: p.t for b, p in sorted(self._draft.items())},
+            "draft_total_s": {b: {d: (p.x, p.t * row.level / p.level) for d, p in sorted(row.points.items())}
+                              for b, row in sorted(self._draft_rows.items())},
             "step_overhead_s": {b: p.t for b, p in sorted(self._overhead.items())},
             "verify_s": {b: {tb: (p.x, p.t * row.level / p.level) for tb, p in sorted(row.points.items())}
                          for b, row in sorted(self._verify.items())},
@@ -514,7 +560,7 @@ class AdaptiveController:
             return out
         # Before the first draft measurement, guess a draft step at a fraction of a decode
         # pass; the first speculative step replaces the guess with a measurement.
-        t_draft = self.costs.t_draft(B) if self.costs.has_draft else self.draft_cost_guess * t_verify0
+        guess = None if self.costs.has_draft else self.draft_cost_guess * t_verify0
         t_step = self.costs.t_overhead(B)
         for d in range(self.max_depth + 1):
             budgets = self._node_budgets(d)
@@ -525,7 +571,8 @@ class AdaptiveController:
             for n in budgets:
                 extra = cum[min(n - d, len(cum) - 1)]
                 total = (chain[d] + extra) * scale
-                cost = t_step + d * t_draft + (self.costs.t_verify(B, B * (n + 1)) if d else t_verify0)
+                t_draft = d * guess if guess is not None else self.costs.t_draft_total(B, d)
+                cost = t_step + t_draft + (self.costs.t_verify(B, B * (n + 1)) if d else t_verify0)
                 out[Plan(d, n)] = (total / cost if cost > 0 else 0.0, total / B)
         return out
 
@@ -586,6 +633,7 @@ class AdaptiveController:
         self.num_steps += 1
         if stats.depth > 0 and stats.draft_s > 0:
             self.costs.observe_draft(B, stats.draft_s / stats.depth)
+            self.costs.observe_draft_total(B, stats.depth, stats.draft_s)
         if stats.verify_s > 0:
             self.costs.observe_verify(B, B * (stats.num_nodes + 1), stats.verify_s)
             if stats.overhead_s > 0:
