@@ -107,12 +107,69 @@ def main(argv=None):
                    help="fewest prompts per cell: low concurrencies finish a handful of prompts in a few "
                         "seconds, too short a run to compare settings a few percent apart")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--interleave", action="store_true",
+                   help="start every setting's server at once (ports --port, --port + 1, ...) and run the "
+                        "settings one after another at each concurrency, in an order rotated per "
+                        "concurrency and round: a slow spell of the machine then hits every setting "
+                        "alike instead of whichever setting's turn it was")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --interleave: repeat the whole schedule; round i is written to OUT/round{i} "
+                        "(aggregate with benchmarks.sweep_report)")
     p.add_argument("--out-dir", default="results/sweep")
     args = p.parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     running = dict(s.split("=", 1) for s in args.base_url)
     settings = list(running) if running else args.settings
+
+    def run_cell(setting: str, base: str, conc: int, dest: Path) -> dict:
+        lg = ["--base-url", base, "--model", args.model, "--max-concurrency", str(conc),
+              "--label", setting, "--out", str(dest / f"{setting}_c{conc}.json"), "--scrape-interval", "0.5"]
+        if "--num-prompts" not in extra:
+            lg += ["--num-prompts", str(max(args.min_prompts, args.prompts_per_concurrency * conc))]
+        print(f"== {setting} concurrency {conc}", file=sys.stderr)
+        return loadgen.main(lg + extra)
+
+    def warm_up(setting: str, base: str) -> None:
+        if args.warmup_requests:  # first requests pay one-off costs (allocator, caches)
+            print(f"== {setting} warm-up", file=sys.stderr)
+            loadgen.main(["--base-url", base, "--model", args.model, "--num-prompts", str(args.warmup_requests),
+                          "--max-concurrency", "4", "--no-progress"] + extra)
+
+    def finish(results: list[dict], dest: Path) -> None:
+        (dest / "summary.md").write_text(markdown_table(results))
+        (dest / "all_results.json").write_text(json.dumps(results, indent=1))
+        for path in plots.make_all(results, dest):
+            print(path)
+        print(dest / "summary.md")
+
+    if args.interleave:
+        procs, bases = [], {}
+        try:
+            for i, setting in enumerate(settings):
+                bases[setting] = running.get(setting)
+                if bases[setting] is None:
+                    port = args.port + i
+                    bases[setting] = f"http://127.0.0.1:{port}"
+                    procs.append(start_server(args.server_cmd, args.config, port, SETTINGS[setting],
+                                              out / f"server_{setting}.log"))
+            for setting in settings:
+                wait_healthy(bases[setting], None, args.startup_timeout)
+                warm_up(setting, bases[setting])
+            for r in range(args.rounds):
+                dest = out / f"round{r}" if args.rounds > 1 else out
+                dest.mkdir(parents=True, exist_ok=True)
+                results = []
+                for j, conc in enumerate(args.concurrency):
+                    shift = (j + r) % len(settings)
+                    for setting in settings[shift:] + settings[:shift]:
+                        results.append(run_cell(setting, bases[setting], conc, dest))
+                finish(results, dest)
+        finally:
+            for proc in procs:
+                stop_server(proc)
+        return
+
     results = []
     for setting in settings:
         proc = None
@@ -123,27 +180,13 @@ def main(argv=None):
                                 out / f"server_{setting}.log")
         try:
             wait_healthy(base, proc, args.startup_timeout)
-            if args.warmup_requests:  # first requests pay one-off costs (allocator, caches)
-                print(f"== {setting} warm-up", file=sys.stderr)
-                loadgen.main(["--base-url", base, "--model", args.model, "--num-prompts", str(args.warmup_requests),
-                              "--max-concurrency", "4", "--no-progress"] + extra)
+            warm_up(setting, base)
             for conc in args.concurrency:
-                path = out / f"{setting}_c{conc}.json"
-                lg = ["--base-url", base, "--model", args.model, "--max-concurrency", str(conc),
-                      "--label", setting, "--out", str(path), "--scrape-interval", "0.5"]
-                if "--num-prompts" not in extra:
-                    lg += ["--num-prompts", str(max(args.min_prompts, args.prompts_per_concurrency * conc))]
-                print(f"== {setting} concurrency {conc}", file=sys.stderr)
-                results.append(loadgen.main(lg + extra))
+                results.append(run_cell(setting, base, conc, out))
         finally:
             if proc is not None:
                 stop_server(proc)
-    (out / "summary.md").write_text(markdown_table(results))
-    (out / "all_results.json").write_text(json.dumps(results, indent=1))
-    for path in plots.make_all(results, out):
-        print(path)
-    print(out / "summary.md")
-
+    finish(results, out)
 
 if __name__ == "__main__":
     main()

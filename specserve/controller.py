@@ -76,6 +76,12 @@ without data for the position just below the current depth, one step is run one 
 (from ``d = 0``: depth ``probe_depth``), so the estimates cannot go stale; at most one probe
 per interval, so the cost is bounded by ``1 / probe_interval`` of a step.
 
+**Neighbours.** The plan in use refreshes only its own cost buckets; a plan one level
+shallower or deeper is judged on older numbers, and the level shift of the contexts since
+does not move every bucket alike. So every ``explore_interval`` steps (speculating) one step
+runs one level deeper or shallower, alternately: the neighbours stay measured, for about
+``1 / explore_interval`` of a near-best step's goodput.
+
 **Hysteresis.** The current plan is kept unless the best plan's predicted goodput beats it by
 more than ``switch_margin`` (relative), or the same challenger has been best for
 ``switch_patience`` consecutive plans.
@@ -253,12 +259,13 @@ class CostModel:
         else:
             self._draft[b] = _EmaPoint(batch_size, seconds_per_step)
 
-    def observe_draft_total(self, batch_size: int, depth: int, seconds: float) -> None:
-        """All `depth` draft levels of one step took `seconds`."""
+    def observe_draft_total(self, batch_size: int, depth: int, seconds: float, track_level: bool = True) -> None:
+        """All `depth` draft levels of one step took `seconds` (`track_level=False`: calibration)."""
         row = self._draft_rows.get(_bucket(batch_size))
         if row is None:
             row = self._draft_rows[_bucket(batch_size)] = _Row(key=int)   # a point per depth
-        row.observe(depth, seconds, self.alpha, self.level_alpha)
+        row.observe(depth, seconds, self.alpha, self.level_alpha if track_level else 0.0,
+                    is_reference=not track_level)
 
     def t_draft_total(self, batch_size: int, depth: int) -> float:
         """Seconds of `depth` draft levels. Measured totals by depth where the engine has run
@@ -377,6 +384,7 @@ class AdaptiveController:
         switch_patience: int = 20,
         probe_interval: int = 200,
         probe_depth: int = 2,
+        explore_interval: int = 16,
         draft_cost_guess: float = 0.2,
     ):
         if mode not in ("adaptive", "static"):
@@ -421,6 +429,7 @@ class AdaptiveController:
         self.switch_margin = switch_margin
         self.switch_patience = switch_patience
         self.probe_interval = probe_interval
+        self.explore_interval = explore_interval
         self.draft_cost_guess = draft_cost_guess
         self.probe_depth = max(1, min(probe_depth, max_depth)) if max_depth else 0
 
@@ -440,6 +449,9 @@ class AdaptiveController:
         self.num_steps = 0
         self.num_plan_changes = 0
         self.num_probes = 0
+        self.num_explorations = 0
+        self._explore_countdown = explore_interval
+        self._explore_up = False
         self.depth_histogram: dict[int, int] = {}
         self.goodput_estimate = 0.0          # predicted tokens/s of the last plan
         self.expected_tokens_per_pass = 1.0  # predicted tokens per sequence per verify pass
@@ -453,9 +465,13 @@ class AdaptiveController:
         measure_draft: Callable[[int], float] | None = None,
         batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
         nodes_per_seq: Sequence[int] = (0, 1, 3, 7),
+        measure_draft_total: Callable[[int, int], float] | None = None,
+        draft_depths: Sequence[int] = (1, 3, 8),
     ) -> None:
         """Warm-start the cost tables: ``measure_verify(batch_size, num_tokens) -> seconds`` of
-        one verify pass, ``measure_draft(batch_size) -> seconds`` of one draft step."""
+        one verify pass, ``measure_draft(batch_size) -> seconds`` of one draft step, and
+        ``measure_draft_total(batch_size, depth) -> seconds`` of the `depth` levels of a step
+        as the engine runs them (right after a target pass)."""
         for b in batch_sizes:
             for n in nodes_per_seq:
                 if n > self.max_num_nodes:
@@ -464,6 +480,9 @@ class AdaptiveController:
                 self.costs.observe_verify(b, num_tokens, float(measure_verify(b, num_tokens)), track_level=False)
             if measure_draft is not None:
                 self.costs.observe_draft(b, float(measure_draft(b)))
+            if measure_draft_total is not None:
+                for d in sorted({min(d, self.max_depth) for d in draft_depths if d > 0}):
+                    self.costs.observe_draft_total(b, d, float(measure_draft_total(b, d)), track_level=False)
 
     def forget(self, request_id: Hashable) -> None:
         """The request finished: drop its acceptance history."""
@@ -612,6 +631,15 @@ class AdaptiveController:
             self.num_probes += 1
             for k in range(depth):
                 self._steps_since_seen[k] = 0   # do not probe again before it reports
+        elif cur.depth > 0 and self.explore_interval > 0:
+            self._explore_countdown -= 1
+            if self._explore_countdown <= 0:
+                self._explore_countdown = self.explore_interval
+                self._explore_up = not self._explore_up
+                d = cur.depth + 1 if self._explore_up else cur.depth - 1
+                if 1 <= d <= self.max_depth:
+                    chosen = Plan(d, min(self.max_num_nodes, max(d, cur.num_nodes + d - cur.depth)))
+                    self.num_explorations += 1
         self.goodput_estimate, self.expected_tokens_per_pass = scores.get(chosen, scores[cur])
         return self._record(chosen)
 
@@ -707,6 +735,7 @@ class AdaptiveController:
             "num_steps": self.num_steps,
             "num_plan_changes": self.num_plan_changes,
             "num_probes": self.num_probes,
+            "num_explorations": self.num_explorations,
             "num_tracked_requests": len(self._requests),
             "costs": self.costs.snapshot(),
         }

@@ -135,7 +135,8 @@ class Speculator:
 
     def calibrate(self, max_batch_size: int, context: int = 32) -> None:
         """Warm-start the controller's cost tables with dummy forwards (DESIGN.md §6): one
-        verify pass per (batch size, nodes per sequence) and one draft step per batch size.
+        verify pass per (batch size, nodes per sequence), one draft step per batch size, and
+        the draft levels of a whole step at a few depths.
         The pool is empty at start-up, so the dummy sequences share its first blocks."""
         if self.controller is None:
             return
@@ -147,12 +148,31 @@ class Speculator:
         if context < 1:
             return
 
-        def run(runner, batch_size: int, rows_per_seq: int) -> float:
+        def batch(batch_size: int, rows_per_seq: int) -> ForwardInput:
             inp = ForwardInput()
             for _ in range(batch_size):
                 inp.add([0] * rows_per_seq, list(range(context, context + rows_per_seq)),
                         slots_for(blocks, block_size, context, rows_per_seq), blocks,
                         context + rows_per_seq, logit_rows=list(range(rows_per_seq)))
+            return inp
+
+        def draft_levels(batch_size: int, depth: int) -> float:
+            """A step's draft levels as the engine runs them: after a target pass (which evicts
+            the draft's weights from the caches), a first level of two rows per sequence (the
+            catch-up) and depth - 1 levels of one, each read back (the tree grows on the host)."""
+            verify, first, later = batch(batch_size, 1), batch(batch_size, 2), batch(batch_size, 1)
+            best = float("inf")
+            for _ in range(2):  # the first run warms up; keep the faster
+                engine.target.forward(verify)[-1, 0].item()
+                start = time.perf_counter()
+                engine.draft.forward(first).argmax(dim=-1).tolist()
+                for _ in range(depth - 1):
+                    engine.draft.forward(later).argmax(dim=-1).tolist()
+                best = min(best, time.perf_counter() - start)
+            return best
+
+        def run(runner, batch_size: int, rows_per_seq: int) -> float:
+            inp = batch(batch_size, rows_per_seq)
             best = float("inf")
             for _ in range(3):  # the first run warms up; keep the fastest
                 start = time.perf_counter()
@@ -162,13 +182,18 @@ class Speculator:
             return best
 
         budget = self.config.scheduler.max_num_batched_tokens  # no step is ever larger
-        sizes = [b for b in (1, 4, 16, 64) if b <= max_batch_size and b <= budget]  # between: interpolated
+        # Every power-of-two batch bucket gets a row of its own: a bucket first seen online would
+        # otherwise extrapolate its verify cost from its own two or three noisy points.
+        sizes = [1 << i for i in range(9) if (1 << i) <= min(max_batch_size, budget)]
         nodes = sorted({0, 1, min(3, max_nodes), max_nodes})
         measure_draft = (lambda b: run(engine.draft, b, 1)) if self.drafter.has_kv else (lambda b: 1e-5)
+        measure_total = draft_levels if self.drafter.has_kv else None
         for b in sizes:  # one size at a time, so each keeps only the node counts that fit the budget
             self.controller.calibrate(
                 lambda b, num_tokens: run(engine.target, b, num_tokens // b), measure_draft,
                 batch_sizes=[b], nodes_per_seq=[n for n in nodes if b * (n + 1) <= budget],
+                measure_draft_total=measure_total if 2 * b <= budget else None,
+                draft_depths=(1, 3, self.controller.max_depth),
             )
 
     def observe(self, batch: SchedulerOutput, plan: Plan, draft_s: float, verify_s: float,

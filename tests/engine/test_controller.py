@@ -207,7 +207,7 @@ def test_cost_model_smooths_noise():
 def test_hysteresis_keeps_plan_under_noise():
     rng = random.Random(5)
     noisy = lambda b, t: flat_verify(b, t) * (1 + rng.uniform(-0.2, 0.2))  # noqa: E731
-    ctrl = calibrated(flat_verify, cheap_draft, probe_interval=0)
+    ctrl = calibrated(flat_verify, cheap_draft, probe_interval=0, explore_interval=0)
     simulate(ctrl, 100, 4, 0.7, noisy, cheap_draft, rng)
     changes_before = ctrl.num_plan_changes
     plans = simulate(ctrl, 400, 4, 0.7, noisy, cheap_draft, rng)
@@ -333,3 +333,19 @@ def test_deep_positions_with_thin_or_old_data_lean_on_the_position_above():
     assert g[2] > 0.75   # the raw EMA of position 3 is still well below (two rejections, then drift)
     assert ctrl.acceptance[2] < 0.65   # what position 3 would read on its own EMA
     assert g[3] > 0.75                 # never observed: borrows from above
+
+
+def test_neighbours_are_explored_one_step_at_a_time():
+    # Every explore_interval steps one step runs one level shallower or deeper (alternately)
+    # than the plan in use, so the neighbours' costs stay measured.
+    rng = random.Random(9)
+    ctrl = calibrated(roofline_verify, cheap_draft, explore_interval=10, probe_interval=0)
+    simulate(ctrl, 200, 1, 0.8, roofline_verify, cheap_draft, rng, ids=["a"])
+    plans = simulate(ctrl, 100, 1, 0.8, roofline_verify, cheap_draft, rng, ids=["a"])
+    excursions = [(i, plans[i].depth - plans[i - 1].depth) for i in range(1, len(plans) - 1)
+                  if plans[i - 1] == plans[i + 1] != plans[i]]
+    assert 8 <= len(excursions) <= 11
+    assert all(abs(step) == 1 for _, step in excursions)
+    assert all(b - a == 10 for (a, _), (b, _) in zip(excursions, excursions[1:]))
+    assert all(x != y for (_, x), (_, y) in zip(excursions, excursions[1:]))   # up, down, up...
+    assert ctrl.snapshot()["num_explorations"] >= len(excursions)
