@@ -36,6 +36,11 @@ allocation (always the largest next gain) is optimal for this model and
 path probabilities, :func:`tree_expected_accepted` gives the EAGLE-2 estimate
 ``1 + sum of node path probabilities`` (exact in expectation for a calibrated drafter under
 lossless stochastic verification: a node is on the accepted path with its path probability).
+The engine reports each verified tree's path probabilities; per (depth, nodes) the controller
+keeps the mean sum of the ``nodes`` best path probabilities at depth <= ``depth``, and scales
+it by measured accepted nodes / path-probability sum (drafts are not calibrated, and greedy
+verification is not sampling). Once a tree shape has ``tree_min_samples`` steps of this, its
+E comes from it instead of the sibling model.
 
 **Per request.** ``a_k`` is an EMA per request and position, shrunk toward the global
 per-position EMA by its number of observations (a new request uses the global one)::
@@ -117,6 +122,10 @@ class StepStats:
     # an accepted first choice (acceptance overestimated), so the engine should pass it.
     accepted_ranks: list[list[int]] | None = None
     overhead_s: float = 0.0         # the rest of the engine step (scheduling, bookkeeping, outputs)
+    # Trees (not chains): [B][nodes] the draft's path probability of each verified node and its
+    # depth, for the EAGLE-2 estimate of tokens per pass (see AdaptiveController.evaluate).
+    path_probs: list[list[float]] | None = None
+    node_depths: list[list[int]] | None = None
 
 
 def tree_expected_accepted(path_probs: Sequence[float]) -> float:
@@ -385,6 +394,8 @@ class AdaptiveController:
         probe_interval: int = 200,
         probe_depth: int = 2,
         explore_interval: int = 16,
+        tree_min_samples: int = 8,
+        tree_max_profiled: int = 8,
         draft_cost_guess: float = 0.2,
     ):
         if mode not in ("adaptive", "static"):
@@ -430,6 +441,8 @@ class AdaptiveController:
         self.switch_patience = switch_patience
         self.probe_interval = probe_interval
         self.explore_interval = explore_interval
+        self.tree_min_samples = tree_min_samples
+        self.tree_max_profiled = tree_max_profiled
         self.draft_cost_guess = draft_cost_guess
         self.probe_depth = max(1, min(probe_depth, max_depth)) if max_depth else 0
 
@@ -450,6 +463,14 @@ class AdaptiveController:
         self.num_plan_changes = 0
         self.num_probes = 0
         self.num_explorations = 0
+        # EAGLE-2 estimate for trees: (depth, nodes) -> EMA over steps of the mean over requests of
+        # the sum of the `nodes` largest path probabilities among nodes at depth <= `depth`; and
+        # EMAs of accepted nodes and of the path-probability sums of the trees verified, whose
+        # ratio calibrates the estimate (a draft is rarely calibrated; greedy verification
+        # accepts a node more or less often than its draft probability says).
+        self._tree_profile: dict[tuple[int, int], _EmaPoint] = {}
+        self._tree_accepted = 0.0
+        self._tree_predicted = 0.0
         self._explore_countdown = explore_interval
         self._explore_up = False
         self.depth_histogram: dict[int, int] = {}
@@ -590,10 +611,50 @@ class AdaptiveController:
             for n in budgets:
                 extra = cum[min(n - d, len(cum) - 1)]
                 total = (chain[d] + extra) * scale
+                from_paths = self.tree_estimate(d, n) if n > d else None
+                if from_paths is not None:
+                    total = from_paths * B
                 t_draft = d * guess if guess is not None else self.costs.t_draft_total(B, d)
                 cost = t_step + t_draft + (self.costs.t_verify(B, B * (n + 1)) if d else t_verify0)
                 out[Plan(d, n)] = (total / cost if cost > 0 else 0.0, total / B)
         return out
+
+    def tree_estimate(self, depth: int, num_nodes: int) -> float | None:
+        """Expected tokens per sequence per pass of a tree plan from the draft's path
+        probabilities (EAGLE-2: 1 + the sum of the node path probabilities, scaled by the
+        measured ratio of accepted nodes to that sum), or None without enough trees of that
+        shape measured."""
+        p = self._tree_profile.get((depth, num_nodes))
+        if p is None or p.count < self.tree_min_samples or self._tree_predicted <= 0:
+            return None
+        return 1.0 + (self._tree_accepted / self._tree_predicted) * p.t
+
+    def _observe_tree_paths(self, stats: StepStats) -> None:
+        ga = self.acceptance_alpha
+        accepted = predicted = 0.0
+        sums: dict[tuple[int, int], float] = {}
+        rows = list(zip(stats.path_probs, stats.node_depths or [], stats.num_accepted))
+        for probs, depths, n_acc in rows[: self.tree_max_profiled]:   # bounded work per step
+            accepted += n_acc
+            predicted += sum(probs)
+            for d in range(1, stats.depth + 1):
+                top = sorted((p for p, k in zip(probs, depths) if k <= d), reverse=True)
+                total = 0.0
+                for n, p in enumerate(top, start=1):
+                    total += p
+                    if n >= d:
+                        sums[(d, n)] = sums.get((d, n), 0.0) + total
+        m = min(len(rows), self.tree_max_profiled)
+        if not m:
+            return
+        for key, total in sums.items():
+            point = self._tree_profile.get(key)
+            if point is None:
+                self._tree_profile[key] = _EmaPoint(key[1], total / m)
+            else:
+                point.update(key[1], total / m, ga)
+        self._tree_accepted += ga * (accepted / m - self._tree_accepted)
+        self._tree_predicted += ga * (predicted / m - self._tree_predicted)
 
     # ---------------------------------------------------------------- decisions
     def plan(self, batch_size: int, request_ids: Sequence[Hashable] = ()) -> Plan:
@@ -675,6 +736,8 @@ class AdaptiveController:
 
         d = min(stats.depth, self.max_depth)
         is_tree = stats.num_nodes > stats.depth
+        if is_tree and stats.path_probs:
+            self._observe_tree_paths(stats)
         alt_counts = self._alternate_counts(d, stats.num_nodes, self.acceptance) if is_tree else []
         ga, ra = self.acceptance_alpha, self.request_alpha
         for i, (rid, n_acc) in enumerate(zip(stats.request_ids, stats.num_accepted)):

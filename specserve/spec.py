@@ -197,7 +197,8 @@ class Speculator:
             )
 
     def observe(self, batch: SchedulerOutput, plan: Plan, draft_s: float, verify_s: float,
-                num_accepted: list[int], request_ids: list[str], draft_is_typical: bool = True) -> None:
+                num_accepted: list[int], request_ids: list[str], draft_is_typical: bool = True,
+                trees: list | None = None) -> None:
         """This step's timings and acceptance, for the controller once end_step() adds the
         rest of the step's time. Steps that also prefill would skew the decode cost model, so
         their timings are left out (their acceptance still counts), as is a draft time that
@@ -217,6 +218,9 @@ class Speculator:
             num_accepted=num_accepted,
             request_ids=request_ids,
         )
+        if trees and plan.num_nodes > plan.depth and all(t.path_probs for t in trees):
+            self._step_stats.path_probs = [t.path_probs for t in trees]
+            self._step_stats.node_depths = [t.depths for t in trees]
         self._step_measured_s = draft_s + verify_s
 
     def end_step(self, step_s: float) -> None:
@@ -297,6 +301,7 @@ class Speculator:
             [len(new_tokens[s.request.request_id]) - 1 for s, _, _ in verified],
             [s.request.request_id for s, _, _ in verified],
             draft_is_typical=backlog <= plan.depth + 1,
+            trees=[tree for _, tree, _ in verified],
         )
         return new_tokens
 

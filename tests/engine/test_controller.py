@@ -349,3 +349,26 @@ def test_neighbours_are_explored_one_step_at_a_time():
     assert all(b - a == 10 for (a, _), (b, _) in zip(excursions, excursions[1:]))
     assert all(x != y for (_, x), (_, y) in zip(excursions, excursions[1:]))   # up, down, up...
     assert ctrl.snapshot()["num_explorations"] >= len(excursions)
+
+
+def test_tree_plans_use_the_drafts_path_probabilities_once_measured():
+    # Trees whose verified nodes carry path probabilities; greedy verification accepts half as
+    # many nodes as their sum says. The tree plan's E must become 1 + 0.5 x that sum.
+    ctrl = AdaptiveController(max_depth=3, max_num_nodes=6, tree_min_samples=5)
+    ctrl.calibrate(flat_verify, cheap_draft)
+    probs = [0.9, 0.5, 0.8, 0.3, 0.6, 0.2]       # nodes: depth 1, 1, 2, 2, 3, 3
+    depths = [1, 1, 2, 2, 3, 3]
+    assert ctrl.tree_estimate(3, 6) is None        # nothing measured yet: the sibling model
+    for _ in range(40):
+        ctrl.observe(StepStats(batch_size=2, depth=3, num_nodes=6, draft_s=0.003, verify_s=0.02,
+                               num_accepted=[2, 1], request_ids=["a", "b"],
+                               path_probs=[probs, probs], node_depths=[depths, depths]))
+    # accepted 1.5 per tree against a path-probability sum of 3.3
+    assert ctrl.tree_estimate(3, 6) == pytest.approx(1 + 1.5, rel=1e-6)
+    top4_up_to_depth2 = 0.9 + 0.8 + 0.5 + 0.3
+    assert ctrl.tree_estimate(2, 4) == pytest.approx(1 + 1.5 / 3.3 * top4_up_to_depth2, rel=1e-6)
+    scores = ctrl.evaluate(2, ["a", "b"])
+    assert scores[Plan(3, 6)][1] == pytest.approx(2.5, rel=1e-6)
+    # A chain plan (nodes == depth) keeps the per-position acceptance model.
+    accs = [ctrl.request_acceptance(r) for r in ("a", "b")]
+    assert scores[Plan(2, 2)][1] == pytest.approx(sum(1 + a[0] + a[0] * a[1] for a in accs) / 2, rel=1e-6)

@@ -387,6 +387,11 @@ def test_block_sizes_budgets_and_adaptive_depth(models, reference, tree, block_s
     outs = run_and_compare(llm, reference)
     if mode == "static":
         check_stats(llm, outs)
+    elif tree == "dynamic":
+        # The verified trees' path probabilities reached the controller (its EAGLE-2 estimate).
+        ctrl = llm.engine.spec.controller
+        assert llm.engine.spec.totals.num_drafts > 0
+        assert ctrl._tree_profile and ctrl._tree_predicted > 0
 
 
 @pytest.mark.parametrize("draft_vocab", [416, 400])
