@@ -47,22 +47,26 @@ per-position EMA by its number of observations (a new request uses the global on
 
     a_ik = (c_ik * ema_ik + s * g_k) / (c_ik + s)
 
-**Cost model.** ``t_draft(B, d)`` (seconds of ``d`` draft levels; not ``d`` times one level: the
-first also catches the draft up and runs with the caches cold after the target's pass) and ``t_verify(B, T)`` (seconds per
-verify pass over ``T`` tokens) are measured online: batch sizes bucketed in powers of two,
-token counts in power-of-two buckets inside each batch bucket, each bucket an EMA of the
-time and of the exact ``T`` it saw. Queries interpolate piecewise-linearly in ``T`` between
-measured buckets, extrapolate with the last segment's slope beyond the largest (linear in
-tokens), and interpolate in ``log2 B`` between batch buckets. :meth:`AdaptiveController.calibrate`
-warm-starts the tables at start-up from a short measurement.
+**Cost model.** ``t_verify(B, T)`` (seconds per verify pass over ``T`` tokens) and
+``t_draft(B, d)`` (seconds of ``d`` draft levels; not ``d`` times one level: the first also
+catches the draft up and runs with the caches cold after the target's pass) are measured
+online: batch sizes bucketed in powers of two, token counts in power-of-two buckets (depths
+exactly) inside each batch bucket, each point an EMA of the time and of the exact ``T`` it
+saw. Queries interpolate piecewise-linearly between measured points, extrapolate with the
+last segment's slope beyond the largest, and interpolate in ``log2 B`` between batch buckets.
+:meth:`AdaptiveController.calibrate` warm-starts every power-of-two batch bucket at start-up
+from a short measurement (verify passes of 1, 2, 4, 8 rows per sequence; draft levels of
+whole steps at depths 1, 3 and the maximum).
 
 The shape of a batch bucket's curve (how much a pass of ``2B`` tokens costs more than one of
 ``B``) comes from whichever buckets were measured, but its *level* drifts as a whole: contexts
 grow far beyond the calibration's, the machine gets busier. The plan in use refreshes only its
 own bucket, so the buckets it does not use would keep their old level and the comparison would
 be lopsided (plain decode measured at today's contexts against a verify cost from start-up:
-speculation looks cheap exactly when it is not). So each observation also moves the other
-buckets of its batch size by ``level_alpha`` of its ratio to the prediction.
+speculation looks cheap exactly when it is not). So each row (one batch bucket) also keeps
+a *level*: an EMA (``level_alpha``) of measured time over the point's reference (its first,
+or calibrated, measurement at level 1); a point is read as its own latest EMA scaled by how
+far the level moved since that EMA was last updated.
 ``t_step(B)`` is the rest of an engine step (scheduling, bookkeeping, streaming the tokens
 out): the same for every plan, so it matters only in that deeper plans spread it over more
 tokens; it is an EMA per batch bucket like the draft step.
