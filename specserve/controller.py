@@ -91,6 +91,11 @@ does not move every bucket alike. So every ``explore_interval`` steps (speculati
 runs one level deeper or shallower, alternately: the neighbours stay measured, for about
 ``1 / explore_interval`` of a near-best step's goodput.
 
+**Preferring shallow.** The plan aimed at is the shallowest whose predicted goodput is within
+``shallow_margin`` of the highest: near the top the curve is flat, and the deeper plan's
+figure is the less certain one (extrapolated costs, acceptance compounded over more
+positions, more variance, more work lost when a stop cuts a run).
+
 **Hysteresis.** The current plan is kept unless the best plan's predicted goodput beats it by
 more than ``switch_margin`` (relative), or the same challenger has been best for
 ``switch_patience`` consecutive plans.
@@ -399,6 +404,7 @@ class AdaptiveController:
         probe_depth: int = 2,
         explore_interval: int = 16,
         tree_min_samples: int = 8,
+        shallow_margin: float = 0.03,
         tree_max_profiled: int = 8,
         draft_cost_guess: float = 0.2,
     ):
@@ -446,6 +452,7 @@ class AdaptiveController:
         self.probe_interval = probe_interval
         self.explore_interval = explore_interval
         self.tree_min_samples = tree_min_samples
+        self.shallow_margin = shallow_margin
         self.tree_max_profiled = tree_max_profiled
         self.draft_cost_guess = draft_cost_guess
         self.probe_depth = max(1, min(probe_depth, max_depth)) if max_depth else 0
@@ -670,7 +677,12 @@ class AdaptiveController:
             return self._record(chosen)
 
         scores = self.evaluate(batch_size, request_ids)
-        best = max(scores, key=lambda p: (scores[p][0], -p.num_nodes))
+        top = max(g for g, _ in scores.values())
+        # The shallowest plan within shallow_margin of the top: a deeper plan's estimate leans
+        # on less measured, extrapolated costs and deeper (compounded) acceptance, its realised
+        # tokens vary more, and it wastes more when a stop cuts the run.
+        best = min((p for p, (g, _) in scores.items() if g >= top * (1.0 - self.shallow_margin)),
+                   key=lambda p: (p.depth, p.num_nodes))
         cur = self.current if self.current in scores else best
         g_best, g_cur = scores[best][0], scores[cur][0]
         if best != cur:
