@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specserve import LLM, SamplingParams
+from specserve.controller import Plan
 from specserve.spec import SpecTotals
 from tests.checkpoints import make_checkpoint
 
@@ -384,12 +385,21 @@ def test_block_sizes_budgets_and_adaptive_depth(models, reference, tree, block_s
     llm = make_llm(models, "weak" if tree == "chain" else "perfect", tree=tree, depth=4,
                    block_size=block_size, num_blocks=512 // block_size, max_num_batched_tokens=budget,
                    spec_mode=mode)
+    ctrl = llm.engine.spec.controller
+    if mode == "adaptive" and tree == "dynamic":
+        # Every other step a tree plan, whatever the estimates say, so that trees are verified
+        # and their path probabilities reach the controller (decisions: test_controller.py).
+        plan, calls = ctrl.plan, [0]
+
+        def every_other_step_a_tree(*a):
+            calls[0] += 1
+            return plan(*a) if calls[0] % 2 else Plan(3, 6)
+        ctrl.plan = every_other_step_a_tree
     outs = run_and_compare(llm, reference)
     if mode == "static":
         check_stats(llm, outs)
     elif tree == "dynamic":
         # The verified trees' path probabilities reached the controller (its EAGLE-2 estimate).
-        ctrl = llm.engine.spec.controller
         assert llm.engine.spec.totals.num_drafts > 0
         assert ctrl._tree_profile and ctrl._tree_predicted > 0
 
