@@ -97,8 +97,8 @@ figure is the less certain one (extrapolated costs, acceptance compounded over m
 positions, more variance, more work lost when a stop cuts a run).
 
 **Hysteresis.** The current plan is kept unless the best plan's predicted goodput beats it by
-more than ``switch_margin`` (relative), or the same challenger has been best for
-``switch_patience`` consecutive plans.
+more than ``switch_margin`` (relative), or some other plan has been best for
+``switch_patience`` consecutive plans (then the latest best is taken).
 """
 
 from __future__ import annotations
@@ -689,10 +689,10 @@ class AdaptiveController:
             if g_best > g_cur * (1.0 + self.switch_margin):
                 cur = self._switch(best)
             else:
-                if best == self._challenger:
-                    self._challenger_streak += 1
-                else:
-                    self._challenger, self._challenger_streak = best, 1
+                # Any challenger counts: near a flat top the shallowest plan within the band
+                # changes from step to step, and a streak of one challenger would never end.
+                self._challenger = best
+                self._challenger_streak += 1
                 if self._challenger_streak >= self.switch_patience:
                     cur = self._switch(best)
         else:
