@@ -148,6 +148,22 @@ def _bucket(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def _across_batch_buckets(buckets: list[int], batch_size: int, at: Callable[[int], float]) -> float:
+    """`at(bucket)` for batch_size's own bucket when measured, else interpolated in log2 B
+    between the measured buckets around it (the nearest one beyond either end)."""
+    b = _bucket(batch_size)
+    if b in buckets:
+        return at(b)
+    i = bisect.bisect_left(buckets, b)
+    if i == 0:
+        return at(buckets[0])
+    if i == len(buckets):
+        return at(buckets[-1])
+    lo, hi = buckets[i - 1], buckets[i]
+    f = (math.log2(b) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+    return (1 - f) * at(lo) + f * at(hi)
+
+
 class _EmaPoint:
     __slots__ = ("x", "t", "count", "ref", "ref_count", "level")
 
@@ -302,17 +318,7 @@ class CostModel:
                 return row.predict(depth)
             return depth * self._draft[bucket].t
 
-        b = _bucket(batch_size)
-        if b in buckets:
-            return at(b)
-        i = bisect.bisect_left(buckets, b)
-        if i == 0:
-            return at(buckets[0])
-        if i == len(buckets):
-            return at(buckets[-1])
-        lo, hi = buckets[i - 1], buckets[i]
-        f = (math.log2(b) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
-        return (1 - f) * at(lo) + f * at(hi)
+        return _across_batch_buckets(buckets, batch_size, at)
 
     def observe_overhead(self, batch_size: int, seconds: float) -> None:
         b = _bucket(batch_size)
@@ -343,22 +349,8 @@ class CostModel:
     def t_verify(self, batch_size: int, num_tokens: int) -> float:
         if not self._verify:
             return 0.0
-        buckets = sorted(self._verify)
-        b = _bucket(batch_size)
-
-        def at(bucket: int) -> float:
-            return self._verify[bucket].predict(num_tokens)
-
-        if b in self._verify:
-            return at(b)
-        i = bisect.bisect_left(buckets, b)
-        if i == 0:
-            return at(buckets[0])
-        if i == len(buckets):
-            return at(buckets[-1])
-        lo, hi = buckets[i - 1], buckets[i]
-        f = (math.log2(b) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
-        return (1 - f) * at(lo) + f * at(hi)
+        return _across_batch_buckets(sorted(self._verify), batch_size,
+                                     lambda bucket: self._verify[bucket].predict(num_tokens))
 
     def snapshot(self) -> dict:
         return {
