@@ -113,8 +113,9 @@ def main(argv=None):
                         "concurrency and round: a slow spell of the machine then hits every setting "
                         "alike instead of whichever setting's turn it was")
     p.add_argument("--rounds", type=int, default=1,
-                   help="with --interleave: repeat the whole schedule; round i is written to OUT/round{i} "
-                        "(aggregate with benchmarks.sweep_report)")
+                   help="with --interleave: repeat the whole schedule, each round with its own prompt draw "
+                        "(loadgen --seed i); round i is written to OUT/round{i} (aggregate with "
+                        "benchmarks.sweep_report)")
     p.add_argument("--out-dir", default="results/sweep")
     args = p.parse_args(argv)
     out = Path(args.out_dir)
@@ -122,9 +123,13 @@ def main(argv=None):
     running = dict(s.split("=", 1) for s in args.base_url)
     settings = list(running) if running else args.settings
 
-    def run_cell(setting: str, base: str, conc: int, dest: Path) -> dict:
+    def run_cell(setting: str, base: str, conc: int, dest: Path, round_index: int = 0) -> dict:
         lg = ["--base-url", base, "--model", args.model, "--max-concurrency", str(conc),
               "--label", setting, "--out", str(dest / f"{setting}_c{conc}.json"), "--scrape-interval", "0.5"]
+        if "--seed" not in extra:
+            # Each round draws its own prompts: re-sending a round's prompts would hit the
+            # prefix cache and make later rounds a different workload from the first.
+            lg += ["--seed", str(round_index)]
         if "--num-prompts" not in extra:
             lg += ["--num-prompts", str(max(args.min_prompts, args.prompts_per_concurrency * conc))]
         print(f"== {setting} concurrency {conc}", file=sys.stderr)
@@ -163,7 +168,7 @@ def main(argv=None):
                 for j, conc in enumerate(args.concurrency):
                     shift = (j + r) % len(settings)
                     for setting in settings[shift:] + settings[:shift]:
-                        results.append(run_cell(setting, bases[setting], conc, dest))
+                        results.append(run_cell(setting, bases[setting], conc, dest, r))
                 finish(results, dest)
         finally:
             for proc in procs:

@@ -252,6 +252,11 @@ def test_sweep_against_running_servers_writes_table_and_plots(tmp_path):
         sweep.main(["--model", "m", "--base-url", f"none={base}", "--base-url", f"adaptive={base}",
                     "--concurrency", "1", "2", "--out-dir", str(tmp_path), "--",
                     "--num-prompts", "3", "--no-progress"])
+        # Interleaved: settings take turns at each concurrency, the order rotated, one
+        # directory per round, each round its own prompt draw.
+        sweep.main(["--model", "m", "--base-url", f"none={base}", "--base-url", f"adaptive={base}",
+                    "--concurrency", "1", "2", "--interleave", "--rounds", "2", "--warmup-requests", "0",
+                    "--out-dir", str(tmp_path / "inter"), "--", "--num-prompts", "3", "--no-progress"])
     finally:
         box["loop"].call_soon_threadsafe(box["loop"].stop)
         t.join(10)
@@ -262,3 +267,10 @@ def test_sweep_against_running_servers_writes_table_and_plots(tmp_path):
     assert (tmp_path / "depth_over_time.png").exists()
     res = json.loads((tmp_path / "adaptive_c2.json").read_text())
     assert res["metrics"]["num_completed"] == 3 and res["config"]["label"] == "adaptive"
+    for r in (0, 1):
+        rows = (tmp_path / "inter" / f"round{r}" / "summary.md").read_text().splitlines()[2:]
+        order = [(row.split("|")[1].strip(), row.split("|")[2].strip()) for row in rows]
+        first = ["none", "adaptive"] if r == 0 else ["adaptive", "none"]
+        assert order == [(first[0], "1"), (first[1], "1"), (first[1], "2"), (first[0], "2")]
+        cell = json.loads((tmp_path / "inter" / f"round{r}" / "none_c1.json").read_text())
+        assert cell["config"]["seed"] == r
