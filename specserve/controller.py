@@ -460,7 +460,6 @@ class AdaptiveController:
 
         # Decision state and exported metrics.
         self.current = self.static_plan if mode == "static" else Plan(0, 0)
-        self._challenger: Plan | None = None
         self._challenger_streak = 0
         self.num_steps = 0
         self.num_plan_changes = 0
@@ -683,12 +682,11 @@ class AdaptiveController:
             else:
                 # Any challenger counts: near a flat top the shallowest plan within the band
                 # changes from step to step, and a streak of one challenger would never end.
-                self._challenger = best
                 self._challenger_streak += 1
                 if self._challenger_streak >= self.switch_patience:
                     cur = self._switch(best)
         else:
-            self._challenger, self._challenger_streak = None, 0
+            self._challenger_streak = 0
         self.current = cur
 
         chosen = cur
@@ -714,7 +712,7 @@ class AdaptiveController:
 
     def _switch(self, plan: Plan) -> Plan:
         self.num_plan_changes += 1
-        self._challenger, self._challenger_streak = None, 0
+        self._challenger_streak = 0
         return plan
 
     def _record(self, plan: Plan) -> Plan:
