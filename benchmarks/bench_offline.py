@@ -97,7 +97,10 @@ def main() -> None:
 
     rows = []
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    base = LLM(target=args.target, draft="none", dtype="float32", progress=False)
+    # The engines get the same thread count as transformers; specserve then runs forwards of
+    # fewer than `cpu_parallel_min_rows` rows on one thread (config.py).
+    threads = dict(cpu_threads=args.threads) if args.threads else {}
+    base = LLM(target=args.target, draft="none", dtype="float32", progress=False, **threads)
     tok = base.tokenizer
     hf = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     hf_draft = None
@@ -118,7 +121,8 @@ def main() -> None:
     # Every setting as a callable, so the rounds can interleave them: a slow spell of the
     # machine then hits every setting alike, and the median over rounds is reported.
     engines = {name: (base if kw == dict(draft="none") else
-                      LLM(target=args.target, dtype="float32", progress=False, **kw)) for name, kw in settings}
+                      LLM(target=args.target, dtype="float32", progress=False, **threads, **kw))
+               for name, kw in settings}
     runs = []
     for batch in args.batch:
         prompts = held_out_prompts(max(batch, args.num_prompts), args.prompt_tokens, tok)
@@ -136,7 +140,10 @@ def main() -> None:
             samples.setdefault((name, batch), []).append(run())
             bar.update(1)
     for (name, batch), results in samples.items():
-        best = sorted(results, key=lambda r: r["tokens"] / r["cpu_s"])[len(results) // 2]  # the median round
+        # The median round: by CPU time on one thread (robust to other jobs' slices), by wall
+        # time on more (idle threads spin, so CPU time then overcounts).
+        clock = "cpu_s" if torch.get_num_threads() == 1 else "wall_s"
+        best = sorted(results, key=lambda r: r["tokens"] / r[clock])[len(results) // 2]
         rows.append(dict(engine=name, batch=batch, rounds=len(results), **best))
     bar.close()
     machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"

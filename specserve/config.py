@@ -99,6 +99,10 @@ class EngineConfig(_Section):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     cpu_threads: PositiveInt | None = None  # torch intra-op threads; default: torch's (the cores)
+    # On the CPU, forwards of fewer rows than this run on one thread: a decode row or a draft
+    # level is memory-bound and the BLAS does not split so few rows, so extra threads only add
+    # their synchronisation; a verified chain or a batch has the rows to share.
+    cpu_parallel_min_rows: PositiveInt = 5
     seed: int = 0
 
 
@@ -236,7 +240,7 @@ def with_overrides(cfg: EngineConfig, **overrides: Any) -> EngineConfig:
         if name == "dtype":
             data["target"]["dtype"] = value
             data["draft"]["dtype"] = value
-        elif name in ("device", "seed", "cpu_threads"):
+        elif name in ("device", "seed", "cpu_threads", "cpu_parallel_min_rows"):
             data[name] = value
         elif name == "draft" and value in ("ngram", "none"):
             data["draft"]["kind"] = value
@@ -251,7 +255,7 @@ def with_overrides(cfg: EngineConfig, **overrides: Any) -> EngineConfig:
         elif len(fields_by_name.get(name, [])) == 1:
             data[fields_by_name[name][0]][name] = value
         else:
-            allowed = sorted({*_SHORT_NAMES, "dtype", "device", "seed", "cpu_threads"} | {
+            allowed = sorted({*_SHORT_NAMES, "dtype", "device", "seed", "cpu_threads", "cpu_parallel_min_rows"} | {
                 n for n, s in fields_by_name.items() if len(s) == 1})
             raise ConfigError(f"unknown setting '{name}'; allowed: {', '.join(allowed)} (or section__field)")
     return from_dict(data, source="settings")

@@ -21,7 +21,7 @@ from specserve.errors import InvalidRequestError, ModelLoadError
 from specserve.kv_pool import KVPool, blocks_needed
 from specserve.model.loader import load_eos_token_ids, load_model, load_tokenizer
 from specserve.request import Request, RequestStats
-from specserve.runner import ForwardInput, ModelRunner, slots_for
+from specserve.runner import CpuThreads, ForwardInput, ModelRunner, slots_for
 from specserve.sampling import SamplingParams, SamplingTensors, make_generator, mask_tokens, sample
 from specserve.scheduler import Scheduler, SchedulerOutput
 from specserve.spec import Plan, make_speculator
@@ -99,8 +99,10 @@ class LLMEngine:
             bytes_per_block += draft_args.kv_bytes_per_block(block_size, draft_model.dtype)
         num_blocks = config.cache.num_blocks or self._size_pool(bytes_per_block)
         self.pool = KVPool(num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching)
-        self.target = ModelRunner(target, self.target_args, num_blocks, block_size, self.device)
-        self.draft = ModelRunner(draft_model, draft_args, num_blocks, block_size, self.device) if draft_model else None
+        threads = CpuThreads(torch.get_num_threads(), config.cpu_parallel_min_rows)
+        self.target = ModelRunner(target, self.target_args, num_blocks, block_size, self.device, threads)
+        self.draft = (ModelRunner(draft_model, draft_args, num_blocks, block_size, self.device, threads)
+                      if draft_model else None)
         self.pool_bytes = num_blocks * bytes_per_block
         self.scheduler = Scheduler(config.scheduler, self.pool, self.max_model_len, has_draft_kv=self.draft is not None)
 

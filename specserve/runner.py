@@ -62,13 +62,34 @@ def slots_for(block_table: list[int], block_size: int, start: int, count: int) -
     return [block_table[p // block_size] * block_size + p % block_size for p in range(start, start + count)]
 
 
+class CpuThreads:
+    """Intra-op threads per forward on the CPU: all of them for forwards of at least
+    `min_rows` rows, one below that. On the 2-core dev CPU (MKL sgemm, the embedded 10 x 256
+    target, weights streamed from memory) two threads leave 1-4 rows as slow as one thread,
+    while 5-8 rows (a verified chain) take 0.64-0.78x the one-thread time; so a decode step
+    or a draft level stays on one thread and the verify pass gets both cores."""
+
+    def __init__(self, max_threads: int, min_rows: int):
+        self.max_threads, self.min_rows = max_threads, min_rows
+
+    def enter(self, num_rows: int) -> int:
+        """Set the threads for a forward of `num_rows`; returns the count to restore after."""
+        before = torch.get_num_threads()
+        want = self.max_threads if num_rows >= self.min_rows else 1
+        if want != before:
+            torch.set_num_threads(want)
+        return before
+
+
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, args, num_blocks: int, block_size: int, device: torch.device):
+    def __init__(self, model: torch.nn.Module, args, num_blocks: int, block_size: int, device: torch.device,
+                 cpu_threads: CpuThreads | None = None):
         self.model = model
         self.args = args
         self.device = device
         self.block_size = block_size
         self.kv_caches = model.make_kv_caches(num_blocks, block_size, device=device)
+        self.cpu_threads = cpu_threads if device.type == "cpu" and cpu_threads and cpu_threads.max_threads > 1 else None
 
     @property
     def cache_tensors(self) -> list[torch.Tensor]:
@@ -122,6 +143,15 @@ class ModelRunner:
     def forward(self, inp: ForwardInput) -> torch.Tensor | None:
         """Run the rows of `inp`; returns logits of `inp.logit_rows`: [len(logit_rows), vocab]
         (None when no row asks for logits: a prefill chunk only writes KV)."""
+        if self.cpu_threads is None:
+            return self._forward(inp)
+        restore = self.cpu_threads.enter(inp.num_rows)
+        try:
+            return self._forward(inp)
+        finally:
+            torch.set_num_threads(restore)
+
+    def _forward(self, inp: ForwardInput) -> torch.Tensor | None:
         input_ids, positions, meta, logit_rows = self.prepare(inp)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         rows = inp.logit_rows
