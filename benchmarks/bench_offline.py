@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import time
@@ -87,21 +88,15 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8, help="at least `batch`; run in groups of `batch`")
     ap.add_argument("--depths", type=int, nargs="*", default=[])
     ap.add_argument("--trees", action="store_true", help="also a fixed [3,2,1] and a dynamic tree")
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=int, nargs="+", default=None,
+                    help="torch threads; with several, every setting runs at each (default: torch's)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; the median is reported")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    rows = []
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    # The engines get the same thread count as transformers; specserve then runs forwards of
-    # fewer than `cpu_parallel_min_rows` rows on one thread (config.py).
-    threads = dict(cpu_threads=args.threads) if args.threads else {}
-    base = LLM(target=args.target, draft="none", dtype="float32", progress=False, **threads)
-    tok = base.tokenizer
+    thread_counts = args.threads or [torch.get_num_threads()]
     hf = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     hf_draft = None
     if args.draft and Path(args.draft).is_dir():
@@ -118,42 +113,70 @@ def main() -> None:
                                                           spec_tree="dynamic", spec__num_nodes=12, spec__topk=3)),
             ]
         settings.append(("specserve, adaptive", dict(draft=args.draft, spec_mode="adaptive")))
-    # Every setting as a callable, so the rounds can interleave them: a slow spell of the
-    # machine then hits every setting alike, and the median over rounds is reported.
-    engines = {name: (base if kw == dict(draft="none") else
-                      LLM(target=args.target, dtype="float32", progress=False, **threads, **kw))
-               for name, kw in settings}
+    # One engine per setting and thread count. Each gets `cpu_threads`, so forwards of fewer
+    # than `cpu_parallel_min_rows` rows run on one thread (config.py); transformers runs
+    # with the process's thread count, set before each run. A small pool: batch 1-16 of a
+    # few hundred tokens needs far fewer blocks than the default sizing, and 20-odd
+    # engines live at once.
+    engines = {(name, t): LLM(target=args.target, dtype="float32", progress=False, cpu_threads=t,
+                              num_blocks=1024, **kw)
+               for t in thread_counts for name, kw in settings}
+    tok = next(iter(engines.values())).tokenizer
+
+    def on_threads(t, fn):
+        def run():
+            torch.set_num_threads(t)
+            return fn()
+        return run
+
+    # Every (setting, batch, threads) as a callable, so the rounds can interleave them: a
+    # slow spell of the machine then hits every setting alike; the median round is reported.
     runs = []
     for batch in args.batch:
         prompts = held_out_prompts(max(batch, args.num_prompts), args.prompt_tokens, tok)
-        for name in engines:
-            runs.append((name, batch, lambda llm=engines[name], p=prompts, b=batch: time_specserve(llm, p, args.max_tokens, b)))
-        runs.append(("transformers generate (request by request)", batch,
-                     lambda p=prompts: time_hf(hf, p, args.max_tokens)))
-        if hf_draft is not None:
-            runs.append(("transformers assisted generation (request by request)", batch,
-                         lambda p=prompts: time_hf(hf, p, args.max_tokens, assistant=hf_draft)))
+        for t in thread_counts:
+            for name, _ in settings:
+                runs.append((name, batch, t, on_threads(t, lambda llm=engines[name, t], p=prompts, b=batch:
+                                                        time_specserve(llm, p, args.max_tokens, b))))
+            runs.append(("transformers generate (request by request)", batch, t,
+                         on_threads(t, lambda p=prompts: time_hf(hf, p, args.max_tokens))))
+            if hf_draft is not None:
+                runs.append(("transformers assisted generation (request by request)", batch, t,
+                             on_threads(t, lambda p=prompts: time_hf(hf, p, args.max_tokens, assistant=hf_draft))))
     samples: dict = {}
     bar = tqdm(total=len(runs) * args.rounds, desc="bench")
     for _ in range(args.rounds):
-        for name, batch, run in runs:
-            samples.setdefault((name, batch), []).append(run())
+        for name, batch, t, run in runs:
+            samples.setdefault((name, batch, t), []).append(run())
             bar.update(1)
-    for (name, batch), results in samples.items():
-        # The median round: by CPU time on one thread (robust to other jobs' slices), by wall
-        # time on more (idle threads spin, so CPU time then overcounts).
-        clock = "cpu_s" if torch.get_num_threads() == 1 else "wall_s"
-        best = sorted(results, key=lambda r: r["tokens"] / r[clock])[len(results) // 2]
-        rows.append(dict(engine=name, batch=batch, rounds=len(results), **best))
     bar.close()
-    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    print(f"\nmachine: {machine}; commit {commit}; {len(prompts)} held-out prompts of <= {args.prompt_tokens} tokens, "
-          f"{args.max_tokens} generated each, greedy; median of {args.rounds} interleaved rounds")
-    print("| engine | batch | tokens/s (CPU time) | tokens/s (wall) | tokens per target pass |")
-    print("|---|---|---|---|---|")
+    rows = []
+    for (name, batch, t), results in samples.items():
+        # Tokens/s by CPU time on one thread (robust to other jobs' time slices), by wall
+        # time on more (waiting threads spin, so CPU time then overcounts); the median round.
+        clock = "cpu_s" if t == 1 else "wall_s"
+        best = sorted(results, key=lambda r: r["tokens"] / r[clock])[len(results) // 2]
+        rows.append(dict(engine=name, batch=batch, threads=t, rounds=len(results), clock=clock,
+                         tokens_per_s=best["tokens"] / best[clock], **best))
+
+    def best_of(name: str, batch: int) -> float | None:  # a baseline at its best thread count
+        vals = [r["tokens_per_s"] for r in rows if r["engine"] == name and r["batch"] == batch]
+        return max(vals) if vals else None
+
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    print(f"\nmachine: {machine}; commit {commit}; {len(prompts)} held-out prompts of <= {args.prompt_tokens} "
+          f"tokens, {args.max_tokens} generated each, greedy; median of {args.rounds} interleaved rounds; tokens/s "
+          "by CPU time on 1 thread, by wall time on more")
+    print("| engine / setting | batch | threads | tokens/s | tokens per target pass | vs our plain decode (best threads) "
+          "| vs transformers assisted (best threads) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         tpp = f"{r['tokens_per_pass']:.2f}" if r["tokens_per_pass"] else "-"
-        print(f"| {r['engine']} | {r['batch']} | {r['tokens'] / r['cpu_s']:.1f} | {r['tokens'] / r['wall_s']:.1f} | {tpp} |")
+        plain = best_of("specserve, no speculation", r["batch"])
+        assisted = best_of("transformers assisted generation (request by request)", r["batch"])
+        ratio = lambda base: f"{r['tokens_per_s'] / base:.2f}x" if base else "-"  # noqa: E731
+        print(f"| {r['engine']} | {r['batch']} | {r['threads']} | {r['tokens_per_s']:.1f} | {tpp} | "
+              f"{ratio(plain)} | {ratio(assisted)} |")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(machine=machine, commit=commit, rows=rows), indent=2))
 
