@@ -50,13 +50,16 @@ per-position EMA by its number of observations (a new request uses the global on
 **Cost model.** ``t_verify(B, T)`` (seconds per verify pass over ``T`` tokens) and
 ``t_draft(B, d)`` (seconds of ``d`` draft levels; not ``d`` times one level: the first also
 catches the draft up and runs with the caches cold after the target's pass) are measured
-online: batch sizes bucketed in powers of two, token counts in power-of-two buckets (depths
-exactly) inside each batch bucket, each point an EMA of the time and of the exact ``T`` it
-saw. Queries interpolate piecewise-linearly between measured points, extrapolate with the
-last segment's slope beyond the largest, and interpolate in ``log2 B`` between batch buckets.
-:meth:`AdaptiveController.calibrate` warm-starts every power-of-two batch bucket at start-up
-from a short measurement (verify passes of 1, 2, 4, 8 rows per sequence; draft levels of
-whole steps at depths 1, 3 and the maximum).
+online: batch sizes bucketed in powers of two; inside each batch bucket a verify point per
+rows per sequence (``n + 1``) and a draft point per depth, each an EMA of the time and of
+the exact ``T`` it saw. Queries interpolate piecewise-linearly between measured points
+(whatever their slope: on the CPU a verify of more rows can cost less), extrapolate with
+the last segment's slope (never negative) beyond the largest, and interpolate in ``log2 B``
+between batch buckets. :meth:`AdaptiveController.calibrate` warm-starts every power-of-two
+batch bucket at start-up from a short measurement (verify passes of 1, 2, 4, 8 rows per
+sequence; draft levels of whole steps at depths 1, 3 and the maximum). The draft's
+calibrated points only stand in until the engine runs that depth: its dummy sequences need
+no catch-up and find the caches warm, so the real first level costs up to 2-3x more.
 
 The shape of a batch bucket's curve (how much a pass of ``2B`` tokens costs more than one of
 ``B``) comes from whichever buckets were measured, but its *level* drifts as a whole: contexts
@@ -185,20 +188,24 @@ class _EmaPoint:
 
 
 def _interp_points(points: list[_EmaPoint], x: float) -> float:
-    """Piecewise-linear through points sorted by x; linear extrapolation with the end
+    """Piecewise-linear through points sorted by x (between two measured points whatever
+    they say: on the CPU more rows can cost less); linear extrapolation with the end
     segments' slopes (never negative); one point: half fixed, half proportional to x."""
     if len(points) == 1:
         p = points[0]
         return p.t * (0.5 + 0.5 * x / p.x) if p.x > 0 else p.t
     xs = [p.x for p in points]
     i = bisect.bisect_left(xs, x)
+    inside = 0 < i < len(points)
     if i == 0:
         lo, hi = points[0], points[1]
     elif i >= len(points):
         lo, hi = points[-2], points[-1]
     else:
         lo, hi = points[i - 1], points[i]
-    slope = max(0.0, (hi.t - lo.t) / (hi.x - lo.x)) if hi.x > lo.x else 0.0
+    slope = (hi.t - lo.t) / (hi.x - lo.x) if hi.x > lo.x else 0.0
+    if not inside:   # extrapolating: never cheaper with more tokens
+        slope = max(0.0, slope)
     t = lo.t + slope * (x - lo.x)
     return max(t, 0.1 * points[0].t)
 
@@ -236,16 +243,28 @@ class _Row:
         return _interp_points(self.current(), num_tokens)
 
     def observe(self, num_tokens: int, seconds: float, alpha: float, level_alpha: float,
-                is_reference: bool = False) -> None:
-        """is_reference: a careful measurement (calibration) that fixes the point's reference."""
+                is_reference: bool = False, provisional: bool = False, key: int | None = None) -> None:
+        """is_reference: a careful measurement (calibration) that fixes the point's reference.
+        provisional: a stand-in (a calibration that does not run the way the engine's steps
+        do) used until the first real measurement, which then replaces it outright, value
+        and reference, without moving the level."""
         self._current = None
-        tb = self.key(num_tokens)
+        tb = self.key(num_tokens) if key is None else key
         p = self.points.get(tb)
-        if level_alpha > 0 and len(self.points) > (0 if p is None else 1):
+        if provisional:
+            if p is None or p.ref_count == 0:
+                p = self.points[tb] = _EmaPoint(num_tokens, seconds)
+                p.ref, p.ref_count, p.level = seconds / self.level, 0, self.level
+            return
+        if p is not None and p.ref_count == 0:   # the first real measurement of a stand-in
+            p.x, p.t, p.count = float(num_tokens), float(seconds), 1
+            p.ref, p.ref_count, p.level = seconds / self.level, 1, self.level
+            return
+        reference = self._reference()   # measured points only: stand-ins are not part of the shape
+        if level_alpha > 0 and len(reference) > (0 if p is None else 1):
             # Measured against the row's reference shape at today's level; one stall moves
             # the level by level_alpha of 2x at most.
-            predicted = self.level * (p.ref if p is not None else
-                                      _interp_points(self._reference(), num_tokens))
+            predicted = self.level * (p.ref if p is not None else _interp_points(reference, num_tokens))
             if predicted > 0:
                 ratio = min(max(seconds / predicted, 0.5), 2.0)
                 self.level *= 1.0 + level_alpha * (ratio - 1.0)
@@ -264,7 +283,7 @@ class _Row:
         p.level = self.level
 
     def _reference(self) -> list[_EmaPoint]:
-        return [_EmaPoint(p.x, p.ref) for _, p in sorted(self.points.items())]
+        return [_EmaPoint(p.x, p.ref) for _, p in sorted(self.points.items()) if p.ref_count > 0]
 
 
 class CostModel:
@@ -298,8 +317,14 @@ class CostModel:
         row = self._draft_rows.get(_bucket(batch_size))
         if row is None:
             row = self._draft_rows[_bucket(batch_size)] = _Row(key=int)   # a point per depth
+        # A calibration's draft levels run on caught-up dummy sequences; the engine's first
+        # level also catches the draft up on the accepted run (more rows the more was
+        # accepted, so it grows with depth) with the caches cold: the measured levels then
+        # cost up to 2-3x the calibrated ones at the same depth, and as references those
+        # would push the row's level up for every depth. So they only stand in until the
+        # engine has run that depth.
         row.observe(depth, seconds, self.alpha, self.level_alpha if track_level else 0.0,
-                    is_reference=not track_level)
+                    provisional=not track_level)
 
     def t_draft_total(self, batch_size: int, depth: int) -> float:
         """Seconds of `depth` draft levels. Measured totals by depth where the engine has run
@@ -332,8 +357,11 @@ class CostModel:
         row = self._verify.get(_bucket(batch_size))
         if row is None:
             row = self._verify[_bucket(batch_size)] = _Row()
+        # A point per verified rows per sequence (depth + 1 for a chain), not per power-of-two
+        # token bucket: at 16 sequences depths 2 and 3 (48 and 64 tokens) would share a point,
+        # and on the CPU their costs differ by odd/even row effects a bucket's mean blurs.
         row.observe(num_tokens, seconds, self.alpha, self.level_alpha if track_level else 0.0,
-                    is_reference=not track_level)
+                    is_reference=not track_level, key=max(1, round(num_tokens / max(1, batch_size))))
 
     def t_draft(self, batch_size: int) -> float:
         if not self._draft:

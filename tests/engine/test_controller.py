@@ -166,6 +166,34 @@ def test_unused_buckets_follow_the_level_of_the_used_one():
     assert cm.t_verify(64, 128) == pytest.approx(1.5 * compute_bound_verify(64, 128), rel=0.05)
 
 
+def test_calibrated_draft_costs_stand_in_until_the_engine_runs_that_depth():
+    # Calibration's draft levels run caught up and cache-warm: the engine's depth-1 steps cost
+    # 2.5x the calibrated figure (catch-up, cold caches). That must not scale depth 3, which
+    # the calibration measured right; once depth 3 runs, its own measurement takes over.
+    cm = CostModel()
+    cm.observe_draft_total(16, 1, 0.002, track_level=False)
+    cm.observe_draft_total(16, 3, 0.006, track_level=False)
+    for _ in range(100):
+        cm.observe_draft_total(16, 1, 0.005)
+    assert cm.t_draft_total(16, 1) == pytest.approx(0.005)
+    assert cm.t_draft_total(16, 3) == pytest.approx(0.006)
+    cm.observe_draft_total(16, 3, 0.008)
+    assert cm.t_draft_total(16, 3) == pytest.approx(0.008)
+
+
+def test_verify_points_are_kept_per_rows_per_sequence():
+    # At 16 sequences depths 2 and 3 verify 48 and 64 tokens, one power-of-two bucket apart
+    # from neither; on the CPU the deeper one can cost the same or less (row-count effects).
+    # Each keeps its own point rather than a blend.
+    cm = CostModel()
+    for _ in range(50):
+        cm.observe_verify(16, 48, 0.024)
+        cm.observe_verify(16, 64, 0.023)
+        cm.observe_verify(16, 32, 0.017)
+    assert cm.t_verify(16, 48) == pytest.approx(0.024, rel=0.02)
+    assert cm.t_verify(16, 64) == pytest.approx(0.023, rel=0.02)
+
+
 def test_growing_costs_do_not_pull_a_busy_server_into_speculating():
     # Compute-bound at batch 64 and every pass getting dearer as the contexts grow (1x to 4x
     # over the run): plain decode stays best throughout (d=1 buys 1.7 tokens for twice the
