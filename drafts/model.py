@@ -33,7 +33,9 @@ class _Growing:
         self.frontier: list[int] = []  # nodes to expand at the next level
         self.fed: list[int] = []  # nodes fed so far (trees), in feeding order
         self.budget = seq.num_spec_nodes
-        self.max_depth = min(shape.depth, self.budget)
+        # A step emits the accepted run plus one token: with `left` to go, nodes deeper than
+        # left - 1 could only be thrown away after verification.
+        self.max_depth = min(shape.depth, self.budget, self.req.num_tokens_left - 1)
         self.q_rows: list[torch.Tensor | None] = []
 
     def add(self, token: int, parent: int, prob: float, sampled: bool, q: torch.Tensor | None) -> int:

@@ -44,7 +44,8 @@ class NgramDrafter:
         # A chain whatever the shape: one earlier occurrence gives one continuation.
         trees = []
         for s in seqs:
-            want = min(shape.depth, s.num_spec_nodes)
+            # No deeper than the request can still emit (the accepted run plus one token).
+            want = max(0, min(shape.depth, s.num_spec_nodes, s.request.num_tokens_left - 1))
             tokens = lookup(s.request.token_ids, self.ngram_min, self.ngram_max, want) if want else []
             trees.append(DraftTree.chain(tokens))
         return trees

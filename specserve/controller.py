@@ -138,6 +138,12 @@ class StepStats:
     # depth, for the EAGLE-2 estimate of tokens per pass (see AdaptiveController.evaluate).
     path_probs: list[list[float]] | None = None
     node_depths: list[list[int]] | None = None
+    # When the scheduler cut some trees below the plan (near max_tokens): [B] the depth of each
+    # request's own tree (positions beyond it were not proposed, so they count neither way),
+    # the verify pass's real token count, and the draft levels that ran.
+    seq_depths: list[int] | None = None
+    num_tokens: int | None = None
+    draft_depth: int | None = None
 
 
 def tree_expected_accepted(path_probs: Sequence[float]) -> float:
@@ -754,11 +760,13 @@ class AdaptiveController:
         if B <= 0:
             return
         self.num_steps += 1
-        if stats.depth > 0 and stats.draft_s > 0:
-            self.costs.observe_draft(B, stats.draft_s / stats.depth)
-            self.costs.observe_draft_total(B, stats.depth, stats.draft_s)
+        draft_depth = stats.depth if stats.draft_depth is None else stats.draft_depth
+        if draft_depth > 0 and stats.draft_s > 0:
+            self.costs.observe_draft(B, stats.draft_s / draft_depth)
+            self.costs.observe_draft_total(B, draft_depth, stats.draft_s)
         if stats.verify_s > 0:
-            self.costs.observe_verify(B, B * (stats.num_nodes + 1), stats.verify_s)
+            num_tokens = B * (stats.num_nodes + 1) if stats.num_tokens is None else stats.num_tokens
+            self.costs.observe_verify(B, num_tokens, stats.verify_s)
             if stats.overhead_s > 0:
                 self.costs.observe_overhead(B, stats.overhead_s)
         total_s = stats.draft_s + stats.verify_s + stats.overhead_s
@@ -780,7 +788,8 @@ class AdaptiveController:
             if r is None:
                 r = self._requests[rid] = _RequestAcceptance(
                     self.global_acceptance(), [0] * self.max_depth)
-            for k in range(min(n_acc + 1, d)):   # position k+1
+            d_i = min(d, stats.seq_depths[i]) if stats.seq_depths else d
+            for k in range(min(n_acc + 1, d_i)):   # position k+1
                 if ranks is not None and k < n_acc and ranks[k] > 0:
                     spine = 0.0   # an alternate won at this depth: the first choice was rejected
                     if alt_counts and alt_counts[k] > 0:
@@ -801,7 +810,7 @@ class AdaptiveController:
                 if spine == 0.0:
                     break
             # A request's positions without fresh data lose weight, back toward the global.
-            for k in range(min(n_acc + 1, d), self.max_depth):
+            for k in range(min(n_acc + 1, d_i), self.max_depth):
                 r.count[k] *= 1.0 - self.request_stale_decay
         # Positions the step verified have fresh data; the others drift toward the position
         # above (position 1: toward the prior), so a stale low estimate recovers slowly and

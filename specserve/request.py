@@ -94,6 +94,11 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_tokens_left(self) -> int:
+        """Output tokens the request may still emit before max_tokens."""
+        return self.params.max_tokens - self.num_output_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

@@ -194,6 +194,22 @@ def test_verify_points_are_kept_per_rows_per_sequence():
     assert cm.t_verify(16, 64) == pytest.approx(0.023, rel=0.02)
 
 
+def test_trees_cut_near_max_tokens_count_only_what_ran():
+    # Planned depth 5, but the request had 3 tokens left: its chain was cut to depth 2 and
+    # fully accepted. Position 3 was never proposed, so it is not a rejection; the draft ran
+    # 2 levels and the verify pass 3 rows, and the costs are booked there.
+    ctrl = AdaptiveController(max_depth=8, acceptance_alpha=0.5)
+    before = list(ctrl.acceptance)
+    ctrl.observe(StepStats(1, 5, 5, 0.002, 0.005, num_accepted=[2], request_ids=["r"],
+                           seq_depths=[2], num_tokens=3, draft_depth=2))
+    assert ctrl.acceptance[0] > before[0] and ctrl.acceptance[1] > before[1]
+    assert ctrl.acceptance[2] <= before[2] + 1e-12 and ctrl.acceptance[2] >= before[2] - 0.01   # only the stale drift
+    assert ctrl.request_acceptance("r")[2] == pytest.approx(ctrl.global_acceptance()[2], abs=0.05)
+    snap = ctrl.costs.snapshot()
+    assert list(snap["draft_total_s"][1]) == [2]
+    assert [round(x) for x, _ in snap["verify_s"][1].values()] == [3]
+
+
 def test_growing_costs_do_not_pull_a_busy_server_into_speculating():
     # Compute-bound at batch 64 and every pass getting dearer as the contexts grow (1x to 4x
     # over the run): plain decode stays best throughout (d=1 buys 1.7 tokens for twice the

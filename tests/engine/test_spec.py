@@ -7,6 +7,7 @@ the speculative counters add up."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -104,9 +105,17 @@ def test_chain_perfect_draft(models, reference, depth):
     llm = make_llm(models, "perfect", depth=depth)
     outs = run_and_compare(llm, reference)
     check_stats(llm, outs, perfect_chain=True)
-    # Every verify pass accepts the whole chain: depth + 1 tokens per target pass.
-    assert llm.engine.spec.totals.mean_tokens_per_pass == depth + 1
-    assert llm.engine.spec.totals.accepted_per_position == [llm.engine.spec.totals.num_drafts] * depth
+    # Every verify pass accepts its whole chain, and no chain is longer than the request can
+    # still emit (the scheduler cuts the last one): after the prompt's pass, the MAX_TOKENS - 1
+    # other tokens take the fewest passes of at most depth + 1 tokens, none wasted.
+    for o in outs:
+        assert o.stats.num_target_passes == 1 + math.ceil((MAX_TOKENS - 1) / (depth + 1))
+        assert o.stats.num_draft_tokens + o.stats.num_drafts <= MAX_TOKENS - 1
+    totals = llm.engine.spec.totals
+    assert totals.accepted_per_position[0] == totals.num_drafts
+    if (MAX_TOKENS - 1) % (depth + 1) in (0, 1):   # every chain full length (a last single token: plain)
+        assert totals.mean_tokens_per_pass == depth + 1
+        assert totals.accepted_per_position == [totals.num_drafts] * depth
 
 
 @pytest.mark.parametrize("draft,depth", [("weak", 1), ("weak", 3), ("weak", 8), ("bad", 2), ("bad", 5)])
@@ -132,6 +141,21 @@ def test_ngram_drafter(models, reference, depth):
     check_stats(llm, outs)
 
 
+@pytest.mark.parametrize("draft", ["ngram", "perfect"])
+def test_no_draft_deeper_than_the_request_can_emit(models, draft):
+    # Depth 8 but only 4 tokens per request: after the prompt's token, at most 3 more, so no
+    # chain may be longer than (tokens left - 1): every proposed token can be emitted.
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    ref = [o.token_ids for o in make_llm(models, "none").generate(PROMPTS, params)]
+    llm = make_llm(models, draft, depth=8)
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == ref
+    assert sum(o.stats.num_drafts for o in outs) > 0
+    for o in outs:
+        assert o.stats.num_draft_tokens + o.stats.num_drafts <= 3
+    llm.engine.pool.check_all_free()
+
+
 @pytest.mark.parametrize("draft", ["perfect", "weak", "bad"])
 @pytest.mark.parametrize("branching", [[3, 2, 1], [4, 2, 2, 1]])
 def test_fixed_tree(models, reference, draft, branching):
@@ -142,8 +166,10 @@ def test_fixed_tree(models, reference, draft, branching):
     n = sum(branching[0] * 1 for _ in [0])
     assert totals.num_draft_tokens <= totals.num_drafts * (3 + 6 + 6 if branching == [3, 2, 1] else 44)
     if draft == "perfect":
-        # The draft's top-1 path is in the tree and is the target's argmax path.
-        assert totals.mean_tokens_per_pass == len(branching) + 1
+        # The draft's top-1 path is in the tree and is the target's argmax path: every pass
+        # emits a full path, the last one cut to what the request still needs.
+        for o in outs:
+            assert o.stats.num_target_passes == 1 + math.ceil((MAX_TOKENS - 1) / (len(branching) + 1))
         assert n > 0
 
 
