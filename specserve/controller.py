@@ -99,6 +99,21 @@ runs one level deeper or shallower, alternately: the neighbours stay measured, f
 figure is the less certain one (extrapolated costs, acceptance compounded over more
 positions, more variance, more work lost when a stop cuts a run).
 
+**Guard.** The cost model can be wrong by more than the margins between plans (on the dev
+CPU its predictions for depths it has not run lately were off by 5-20%), and the one mistake
+a serving engine must not make is to speculate where plain decoding is faster. So the
+controller also keeps the *measured* goodput of whole steps (tokens / step seconds, EMA) per
+(batch bucket, depth). While speculating, every ``guard_interval`` steps it runs one plain
+step, unless the plan in use has measured more than ``guard_band`` above a recent plain
+figure; when the plan in use has measured below plain decoding by more than ``guard_margin``
+(both within ``guard_max_age`` steps, at least ``guard_min_samples`` speculative steps), the
+bucket is held at depth 0 for ``guard_hold`` steps. Only from ``guard_min_batch`` sequences
+on: with one or two, a step's goodput says more about the request running (acceptance
+differs from prompt to prompt by 2x) than about the plan, and the per-request acceptance
+model is the better judge; with many the step averages over requests and its cost decides.
+Across batch sizes the model still decides; within a bucket, the measurement has the last
+word on speculating at all.
+
 **Hysteresis.** The current plan is kept unless the best plan's predicted goodput beats it by
 more than ``switch_margin`` (relative), or some other plan has been best for
 ``switch_patience`` consecutive plans (then the latest best is taken).
@@ -398,6 +413,21 @@ class CostModel:
         }
 
 
+class _Measured:
+    """EMA of measured goodput (tokens/s) of whole steps at one (batch bucket, depth)."""
+
+    __slots__ = ("goodput", "count", "step")
+
+    def __init__(self, goodput: float, step: int):
+        self.goodput, self.count, self.step = goodput, 1, step
+
+    def update(self, goodput: float, step: int, alpha: float) -> None:
+        w = max(alpha, 1.0 / (self.count + 1))   # the first few averaged plainly
+        self.goodput += w * (goodput - self.goodput)
+        self.count += 1
+        self.step = step
+
+
 @dataclass
 class _RequestAcceptance:
     ema: list[float] = field(default_factory=list)    # [max_depth] per-position EMA
@@ -433,6 +463,14 @@ class AdaptiveController:
         shallow_margin: float = 0.03,
         tree_max_profiled: int = 8,
         draft_cost_guess: float = 0.2,
+        guard_margin: float = 0.03,
+        guard_min_samples: int = 6,
+        guard_max_age: int = 128,
+        guard_hold: int = 256,
+        guard_interval: int = 32,
+        guard_band: float = 1.15,
+        guard_alpha: float = 0.2,
+        guard_min_batch: int = 8,
     ):
         if mode not in ("adaptive", "static"):
             raise ValueError(f"controller mode must be 'adaptive' or 'static', got {mode!r}")
@@ -481,6 +519,14 @@ class AdaptiveController:
         self.shallow_margin = shallow_margin
         self.tree_max_profiled = tree_max_profiled
         self.draft_cost_guess = draft_cost_guess
+        self.guard_margin = guard_margin
+        self.guard_min_samples = guard_min_samples
+        self.guard_max_age = guard_max_age
+        self.guard_hold = guard_hold
+        self.guard_interval = guard_interval
+        self.guard_band = guard_band
+        self.guard_alpha = guard_alpha
+        self.guard_min_batch = guard_min_batch
         self.probe_depth = max(1, min(probe_depth, max_depth)) if max_depth else 0
 
         self.costs = CostModel(cost_alpha)
@@ -509,6 +555,12 @@ class AdaptiveController:
         self._tree_predicted = 0.0
         self._explore_countdown = explore_interval
         self._explore_up = False
+        # The guard (see the module docstring): measured goodput per (batch bucket, depth), the
+        # buckets held at depth 0 until a step count, and the countdown to the next depth-0 step.
+        self._measured: dict[tuple[int, int], _Measured] = {}
+        self._guard_hold_until: dict[int, int] = {}
+        self._guard_countdown = guard_interval
+        self.num_guard_trips = 0
         self.depth_histogram: dict[int, int] = {}
         self.goodput_estimate = 0.0          # predicted tokens/s of the last plan
         self.expected_tokens_per_pass = 1.0  # predicted tokens per sequence per verify pass
@@ -721,11 +773,14 @@ class AdaptiveController:
                     cur = self._switch(best)
         else:
             self._challenger_streak = 0
+        cur = self._guard(batch_size, cur)
         self.current = cur
 
         chosen = cur
         probe_pos = cur.depth  # 0-based index of the first position this plan leaves unverified
-        if (probe_pos < self.max_depth and self.probe_interval > 0
+        if cur.depth > 0 and self._wants_plain_sample(batch_size):
+            chosen = Plan(0, 0)   # one plain step: the guard's reference stays current
+        elif (probe_pos < self.max_depth and self.probe_interval > 0
                 and self._steps_since_seen[probe_pos] >= self.probe_interval):
             depth = self.probe_depth if cur.depth == 0 else cur.depth + 1
             chosen = Plan(depth, max(depth, cur.num_nodes))
@@ -743,6 +798,45 @@ class AdaptiveController:
                     self.num_explorations += 1
         self.goodput_estimate, self.expected_tokens_per_pass = scores.get(chosen, scores[cur])
         return self._record(chosen)
+
+    def _guard(self, batch_size: int, cur: Plan) -> Plan:
+        """Measured goodput overrules the model on speculating at all: a batch bucket whose
+        speculative plan has measured below plain decoding (both measured recently) is held
+        at depth 0 for guard_hold steps."""
+        b = _bucket(batch_size)
+        if batch_size < self.guard_min_batch:
+            return cur
+        if self.num_steps < self._guard_hold_until.get(b, -1):
+            return cur if cur.depth == 0 else self._switch(Plan(0, 0))
+        if cur.depth == 0:
+            return cur
+        m, m0 = self._fresh_measured(b, cur.depth), self._fresh_measured(b, 0)
+        if (m is not None and m0 is not None and m.count >= self.guard_min_samples
+                and m.goodput < m0.goodput * (1.0 - self.guard_margin)):
+            self.num_guard_trips += 1
+            self._guard_hold_until[b] = self.num_steps + self.guard_hold
+            return self._switch(Plan(0, 0))
+        return cur
+
+    def _wants_plain_sample(self, batch_size: int) -> bool:
+        """Every guard_interval speculative steps, one plain step, unless the plan in use has
+        measured clearly (guard_band) above a recent plain step in this bucket."""
+        if self.guard_interval <= 0 or batch_size < self.guard_min_batch:
+            return False
+        self._guard_countdown -= 1
+        if self._guard_countdown > 0:
+            return False
+        self._guard_countdown = self.guard_interval
+        b = _bucket(batch_size)
+        # A plain figure up to 4x the guard's age limit still shows a clear win as clear.
+        m = self._fresh_measured(b, self.current.depth)
+        m0 = self._fresh_measured(b, 0, 4 * self.guard_max_age)
+        return m0 is None or m is None or m.goodput < m0.goodput * self.guard_band
+
+    def _fresh_measured(self, bucket: int, depth: int, max_age: int | None = None) -> _Measured | None:
+        m = self._measured.get((bucket, depth))
+        age = self.guard_max_age if max_age is None else max_age
+        return m if m is not None and self.num_steps - m.step <= age else None
 
     def _switch(self, plan: Plan) -> Plan:
         self.num_plan_changes += 1
@@ -775,6 +869,19 @@ class AdaptiveController:
             rate = tokens / total_s
             self.measured_goodput = rate if self.num_steps == 1 else (
                 self.measured_goodput + 0.1 * (rate - self.measured_goodput))
+        # The guard's figures: whole steps with every part timed (no prefill, no catch-up), at
+        # the plan's own depth (a step with cut trees is not that plan's).
+        whole = stats.verify_s > 0 and (stats.depth == 0 or stats.draft_s > 0)
+        # (Speculating, every sequence must have had its tree: a plain row among them is not
+        # the plan either.)
+        if whole and stats.seq_depths is None and (stats.depth == 0 or len(stats.num_accepted) == B):
+            rate = (B + (sum(stats.num_accepted) if stats.depth else 0)) / total_s
+            key = (_bucket(B), stats.depth)
+            m = self._measured.get(key)
+            if m is None or self.num_steps - m.step > self.guard_max_age:
+                self._measured[key] = _Measured(rate, self.num_steps)
+            else:
+                m.update(rate, self.num_steps, self.guard_alpha)
 
         d = min(stats.depth, self.max_depth)
         is_tree = stats.num_nodes > stats.depth
@@ -842,6 +949,7 @@ class AdaptiveController:
             "num_plan_changes": self.num_plan_changes,
             "num_probes": self.num_probes,
             "num_explorations": self.num_explorations,
+            "num_guard_trips": self.num_guard_trips,
             "num_tracked_requests": len(self._requests),
             "costs": self.costs.snapshot(),
         }

@@ -93,6 +93,8 @@ def _controller_metrics(snap: dict):
     for name, key, doc in (
         ("specserve_controller_plan_changes", "num_plan_changes", "Times the controller switched plans."),
         ("specserve_controller_probes", "num_probes", "Steps run one level deeper to re-measure acceptance."),
+        ("specserve_controller_guard_trips", "num_guard_trips",
+         "Times measured goodput put a batch-size bucket back on plain decoding."),
     ):
         c = CounterMetricFamily(name, doc)
         c.add_metric([], snap[key])

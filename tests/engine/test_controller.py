@@ -210,6 +210,43 @@ def test_trees_cut_near_max_tokens_count_only_what_ran():
     assert [round(x) for x, _ in snap["verify_s"][1].values()] == [3]
 
 
+def test_guard_holds_plain_decoding_when_speculation_measures_slower():
+    # A cost model that is wrong (here: forced to rank depth 3 first) while the real verify is
+    # compute-bound: measured whole steps at depth 3 make fewer tokens/s than the plain steps
+    # the guard samples, so the bucket is held at depth 0 nearly all the time.
+    rng = random.Random(3)
+    ctrl = calibrated(compute_bound_verify, cheap_draft, probe_interval=0)
+    ctrl.evaluate = lambda b, ids: {Plan(d, d): (1000.0 if d == 3 else 500.0, 1.0) for d in range(9)}
+    plans = simulate(ctrl, 1200, 16, 0.6, compute_bound_verify, cheap_draft, rng)
+    assert ctrl.num_guard_trips >= 1
+    late = plans[300:]
+    assert sum(p.depth == 0 for p in late) / len(late) > 0.9
+    assert true_goodput(0, 16, 0.6, compute_bound_verify, cheap_draft) > 1.5 * true_goodput(
+        3, 16, 0.6, compute_bound_verify, cheap_draft)
+
+
+def test_guard_costs_little_when_speculation_wins():
+    # Flat verify, high acceptance, 8 sequences: speculation measures far above plain
+    # decoding, so after the first plain samples the guard neither trips nor keeps sampling.
+    rng = random.Random(4)
+    ctrl = calibrated(flat_verify, cheap_draft, probe_interval=0)
+    plans = simulate(ctrl, 1500, 8, 0.85, flat_verify, cheap_draft, rng)
+    assert ctrl.num_guard_trips == 0
+    late = plans[200:]
+    assert sum(p.depth == 0 for p in late) <= len(late) // 100
+    assert sum(p.depth >= 4 for p in late) / len(late) > 0.8
+
+
+def test_guard_leaves_small_batches_to_the_model():
+    # One or two sequences: a step's goodput is mostly the running request's acceptance, so
+    # the guard does not judge them (the wrong model of the first guard test is not overruled).
+    rng = random.Random(5)
+    ctrl = calibrated(compute_bound_verify, cheap_draft, probe_interval=0)
+    ctrl.evaluate = lambda b, ids: {Plan(d, d): (1000.0 if d == 3 else 500.0, 1.0) for d in range(9)}
+    plans = simulate(ctrl, 400, 2, 0.6, compute_bound_verify, cheap_draft, rng)
+    assert ctrl.num_guard_trips == 0 and all(p.depth > 0 for p in plans)
+
+
 def test_growing_costs_do_not_pull_a_busy_server_into_speculating():
     # Compute-bound at batch 64 and every pass getting dearer as the contexts grow (1x to 4x
     # over the run): plain decode stays best throughout (d=1 buys 1.7 tokens for twice the
@@ -385,7 +422,7 @@ def test_neighbours_are_explored_one_step_at_a_time():
     # Every explore_interval steps one step runs one level shallower or deeper (alternately)
     # than the plan in use, so the neighbours' costs stay measured.
     rng = random.Random(9)
-    ctrl = calibrated(roofline_verify, cheap_draft, explore_interval=10, probe_interval=0)
+    ctrl = calibrated(roofline_verify, cheap_draft, explore_interval=10, probe_interval=0, guard_interval=0)
     simulate(ctrl, 200, 1, 0.8, roofline_verify, cheap_draft, rng, ids=["a"])
     plans = simulate(ctrl, 100, 1, 0.8, roofline_verify, cheap_draft, rng, ids=["a"])
     excursions = [(i, plans[i].depth - plans[i - 1].depth) for i in range(1, len(plans) - 1)

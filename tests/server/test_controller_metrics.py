@@ -52,6 +52,7 @@ def test_controller_decisions_are_exported(adaptive_server):
     assert after["specserve_controller_goodput_estimate"] > 0
     assert after["specserve_controller_expected_tokens_per_pass"] >= 1.0
     assert after["specserve_controller_plan_changes_total"] == ctrl.num_plan_changes
+    assert after["specserve_controller_guard_trips_total"] == ctrl.num_guard_trips
     # The cost model it decided from: calibrated at start-up, so batch size 1 is there.
     assert after['specserve_controller_verify_seconds{batch_size="1",num_tokens="1"}'] > 0
     assert after['specserve_controller_draft_step_seconds{batch_size="1"}'] > 0
