@@ -869,12 +869,12 @@ class AdaptiveController:
             rate = tokens / total_s
             self.measured_goodput = rate if self.num_steps == 1 else (
                 self.measured_goodput + 0.1 * (rate - self.measured_goodput))
-        # The guard's figures: whole steps with every part timed (no prefill, no catch-up), at
-        # the plan's own depth (a step with cut trees is not that plan's).
+        # The guard's figures: whole steps with every part timed (no prefill, no catch-up),
+        # booked under the plan. Steps where some trees were cut near max_tokens count too:
+        # at high load nearly every step has such a sequence, and what it emits (its accepted
+        # run + 1, a plain row 1) and costs is what the plan really yields there.
         whole = stats.verify_s > 0 and (stats.depth == 0 or stats.draft_s > 0)
-        # (Speculating, every sequence must have had its tree: a plain row among them is not
-        # the plan either.)
-        if whole and stats.seq_depths is None and (stats.depth == 0 or len(stats.num_accepted) == B):
+        if whole:
             rate = (B + (sum(stats.num_accepted) if stats.depth else 0)) / total_s
             key = (_bucket(B), stats.depth)
             m = self._measured.get(key)

@@ -225,6 +225,30 @@ def test_guard_holds_plain_decoding_when_speculation_measures_slower():
         3, 16, 0.6, compute_bound_verify, cheap_draft)
 
 
+def test_guard_also_judges_steps_with_cut_trees():
+    # At high load nearly every step has a request near max_tokens whose tree was cut: the
+    # guard must still measure those steps (it once skipped them and never tripped at 64).
+    rng = random.Random(6)
+    ctrl = calibrated(compute_bound_verify, cheap_draft, probe_interval=0)
+    ctrl.evaluate = lambda b, ids: {Plan(d, d): (1000.0 if d == 3 else 500.0, 1.0) for d in range(9)}
+    ids = [f"r{i}" for i in range(64)]
+    depths = []
+    for _ in range(600):
+        plan = ctrl.plan(64, ids)
+        depths.append(plan.depth)
+        if plan.depth == 0:
+            ctrl.observe(StepStats(64, 0, 0, 0.0, compute_bound_verify(64, 64), [], []))
+            continue
+        own = [plan.depth] * 63 + [1]   # one request had 2 tokens left
+        acc = [sum(1 for _ in range(d) if rng.random() < 0.6) for d in own]
+        tokens = sum(d + 1 for d in own)
+        ctrl.observe(StepStats(64, plan.depth, plan.num_nodes, plan.depth * cheap_draft(64),
+                               compute_bound_verify(64, tokens), num_accepted=acc, request_ids=ids,
+                               seq_depths=own, num_tokens=tokens, draft_depth=plan.depth))
+    assert ctrl.num_guard_trips >= 1
+    assert sum(d == 0 for d in depths[200:]) / len(depths[200:]) > 0.9
+
+
 def test_guard_costs_little_when_speculation_wins():
     # Flat verify, high acceptance, 8 sequences: speculation measures far above plain
     # decoding, so after the first plain samples the guard neither trips nor keeps sampling.
