@@ -213,9 +213,10 @@ class Speculator:
         # step's token budget) mean fewer verify rows and, when every tree was cut, fewer draft
         # levels than the plan's: the costs are booked under what ran, and each request's
         # acceptance counts only the depths its own tree had.
-        cut = plan.num_nodes > 0 and (len(trees or []) < len(decoding) or any(
+        trees = trees or []
+        cut = plan.num_nodes > 0 and (len(trees) < len(decoding) or any(
             t.num_nodes < plan.num_nodes for t in trees))
-        seq_depths = [max(t.depths, default=0) for t in trees or []]
+        seq_depths = [max(t.depths, default=0) for t in trees] if cut else None
         self._step_stats = StepStats(
             batch_size=len(decoding),
             depth=plan.depth,
@@ -224,8 +225,8 @@ class Speculator:
             verify_s=0.0 if has_prefill else verify_s,
             num_accepted=num_accepted,
             request_ids=request_ids,
-            seq_depths=seq_depths if cut else None,
-            num_tokens=len(decoding) + sum(t.num_nodes for t in trees or []) if cut else None,
+            seq_depths=seq_depths,
+            num_tokens=len(decoding) + sum(t.num_nodes for t in trees) if cut else None,
             draft_depth=max(seq_depths, default=0) if cut else None,
         )
         if trees and plan.num_nodes > plan.depth and all(t.path_probs for t in trees):
