@@ -70,6 +70,20 @@ speculation looks cheap exactly when it is not). So each row (one batch bucket) 
 a *level*: an EMA (``level_alpha``) of measured time over the point's reference (its first,
 or calibrated, measurement at level 1); a point is read as its own latest EMA scaled by how
 far the level moved since that EMA was last updated.
+**Context.** Attention reads every cached token of a sequence for each of its rows, so a pass
+also costs in proportion to the batch's context ``C`` (its tokens in the KV cache, summed) and
+that share does not grow with the rows verified; at 64 sequences of a few hundred tokens on
+the CPU it is most of a plain decode pass. Read as a level, that growth would scale every row
+count alike and make speculation look dearer exactly when contexts are long. So the model is::
+
+    t_verify(B, T, C) = row_B(T) + c_B * (C - B * C_ref)
+    t_draft(B, d, C)  = draft_B(d) + d * c'_B * (C - B * C_ref)
+
+with ``c_B``, ``c'_B`` (seconds per context token of a verify pass and of one draft level)
+measured at start-up from one-row passes at two contexts, ``C_ref`` the calibration's context
+per sequence, and the rows and their level holding costs brought to ``C_ref`` (each
+measurement has the context term taken off before it updates them). The engine passes ``C``
+with every plan and every step.
 ``t_step(B)`` is the rest of an engine step (scheduling, bookkeeping, streaming the tokens
 out): the same for every plan, so it matters only in that deeper plans spread it over more
 tokens; it is an EMA per batch bucket like the draft step.
@@ -159,6 +173,9 @@ class StepStats:
     seq_depths: list[int] | None = None
     num_tokens: int | None = None
     draft_depth: int | None = None
+    # Tokens already in the KV cache of the step's decoding sequences, summed (what the
+    # attention of every row reads); None: unknown, costs taken as at the reference context.
+    context_tokens: int | None = None
 
 
 def tree_expected_accepted(path_probs: Sequence[float]) -> float:
@@ -317,6 +334,32 @@ class CostModel:
         self._draft_rows: dict[int, _Row] = {}                    # batch bucket -> total draft time by depth
         self._overhead: dict[int, _EmaPoint] = {}                 # batch bucket -> (B, t)
         self._verify: dict[int, _Row] = {}                          # batch bucket -> its verify costs
+        # The context term (see the module docstring): batch bucket -> seconds per token of
+        # context (summed over the batch) of a verify pass and of one draft level, measured at
+        # start-up; the rows hold costs as at `reference_context` tokens per sequence.
+        self._ctx_verify: dict[int, float] = {}
+        self._ctx_draft: dict[int, float] = {}
+        self.reference_context = 0
+
+    def set_context_slopes(self, batch_size: int, verify_s_per_token: float,
+                           draft_s_per_token: float, reference_context: int) -> None:
+        b = _bucket(batch_size)
+        self._ctx_verify[b] = max(0.0, float(verify_s_per_token))
+        self._ctx_draft[b] = max(0.0, float(draft_s_per_token))
+        self.reference_context = int(reference_context)
+
+    def _excess_context(self, table: dict[int, float], batch_size: int, context_tokens: int | None) -> float:
+        """Seconds the context adds over the reference context (negative below it)."""
+        if context_tokens is None or not table:
+            return 0.0
+        slope = _across_batch_buckets(sorted(table), batch_size, table.__getitem__)
+        return slope * (context_tokens - batch_size * self.reference_context)
+
+    def _strip_context(self, table: dict[int, float], batch_size: int, context_tokens: int | None,
+                       seconds: float, levels: int = 1) -> float:
+        """A measurement brought to the reference context (never below a tenth of itself)."""
+        adjusted = seconds - levels * self._excess_context(table, batch_size, context_tokens)
+        return max(adjusted, 0.1 * seconds)
 
     @property
     def has_draft(self) -> bool:
@@ -333,8 +376,10 @@ class CostModel:
         else:
             self._draft[b] = _EmaPoint(batch_size, seconds_per_step)
 
-    def observe_draft_total(self, batch_size: int, depth: int, seconds: float, track_level: bool = True) -> None:
+    def observe_draft_total(self, batch_size: int, depth: int, seconds: float, track_level: bool = True,
+                            context_tokens: int | None = None) -> None:
         """All `depth` draft levels of one step took `seconds` (`track_level=False`: calibration)."""
+        seconds = self._strip_context(self._ctx_draft, batch_size, context_tokens, seconds, depth)
         row = self._draft_rows.get(_bucket(batch_size))
         if row is None:
             row = self._draft_rows[_bucket(batch_size)] = _Row(key=int)   # a point per depth
@@ -347,7 +392,7 @@ class CostModel:
         row.observe(depth, seconds, self.alpha, self.level_alpha if track_level else 0.0,
                     provisional=not track_level)
 
-    def t_draft_total(self, batch_size: int, depth: int) -> float:
+    def t_draft_total(self, batch_size: int, depth: int, context_tokens: int | None = None) -> float:
         """Seconds of `depth` draft levels. Measured totals by depth where the engine has run
         (piecewise-linear in depth like the verify rows: the first level costs more than the
         others, as it also catches the draft up and runs with the caches cold after the target's
@@ -364,7 +409,8 @@ class CostModel:
                 return row.predict(depth)
             return depth * self._draft[bucket].t
 
-        return _across_batch_buckets(buckets, batch_size, at)
+        base = _across_batch_buckets(buckets, batch_size, at)
+        return max(0.1 * base, base + depth * self._excess_context(self._ctx_draft, batch_size, context_tokens))
 
     def observe_overhead(self, batch_size: int, seconds: float) -> None:
         b = _bucket(batch_size)
@@ -373,8 +419,10 @@ class CostModel:
         else:
             self._overhead[b] = _EmaPoint(batch_size, seconds)
 
-    def observe_verify(self, batch_size: int, num_tokens: int, seconds: float, track_level: bool = True) -> None:
+    def observe_verify(self, batch_size: int, num_tokens: int, seconds: float, track_level: bool = True,
+                       context_tokens: int | None = None) -> None:
         """`track_level=False` (calibration): set this bucket only, do not move the row's level."""
+        seconds = self._strip_context(self._ctx_verify, batch_size, context_tokens, seconds)
         row = self._verify.get(_bucket(batch_size))
         if row is None:
             row = self._verify[_bucket(batch_size)] = _Row()
@@ -395,11 +443,12 @@ class CostModel:
             return 0.0
         return _interp_points([self._overhead[b] for b in sorted(self._overhead)], batch_size)
 
-    def t_verify(self, batch_size: int, num_tokens: int) -> float:
+    def t_verify(self, batch_size: int, num_tokens: int, context_tokens: int | None = None) -> float:
         if not self._verify:
             return 0.0
-        return _across_batch_buckets(sorted(self._verify), batch_size,
+        base = _across_batch_buckets(sorted(self._verify), batch_size,
                                      lambda bucket: self._verify[bucket].predict(num_tokens))
+        return max(0.1 * base, base + self._excess_context(self._ctx_verify, batch_size, context_tokens))
 
     def snapshot(self) -> dict:
         return {
@@ -410,6 +459,9 @@ class CostModel:
             "verify_s": {b: {tb: (p.x, p.t * row.level / p.level) for tb, p in sorted(row.points.items())}
                          for b, row in sorted(self._verify.items())},
             "verify_level": {b: row.level for b, row in sorted(self._verify.items())},
+            "verify_s_per_context_token": dict(sorted(self._ctx_verify.items())),
+            "draft_s_per_context_token": dict(sorted(self._ctx_draft.items())),
+            "reference_context": self.reference_context,
         }
 
 
@@ -576,12 +628,19 @@ class AdaptiveController:
         nodes_per_seq: Sequence[int] = (0, 1, 3, 7),
         measure_draft_total: Callable[[int, int], float] | None = None,
         draft_depths: Sequence[int] = (1, 3, 8),
+        measure_context: Callable[[int], tuple[float, float]] | None = None,
+        reference_context: int = 0,
     ) -> None:
         """Warm-start the cost tables: ``measure_verify(batch_size, num_tokens) -> seconds`` of
         one verify pass, ``measure_draft(batch_size) -> seconds`` of one draft step, and
         ``measure_draft_total(batch_size, depth) -> seconds`` of the `depth` levels of a step
-        as the engine runs them (right after a target pass)."""
+        as the engine runs them (right after a target pass).
+        ``measure_context(batch_size) -> (verify, draft)``: seconds per token of context (summed
+        over the batch) of a one-row-per-sequence verify pass and of one draft level; the
+        other measurements are then taken at ``reference_context`` tokens per sequence."""
         for b in batch_sizes:
+            if measure_context is not None:
+                self.costs.set_context_slopes(b, *measure_context(b), reference_context)
             for n in nodes_per_seq:
                 if n > self.max_num_nodes:
                     continue
@@ -662,8 +721,10 @@ class AdaptiveController:
         cands.add(hi)
         return sorted(n for n in cands if depth <= n <= hi)
 
-    def evaluate(self, batch_size: int, request_ids: Sequence[Hashable]) -> dict[Plan, tuple[float, float]]:
-        """Every candidate plan -> (predicted goodput tokens/s, expected tokens per sequence)."""
+    def evaluate(self, batch_size: int, request_ids: Sequence[Hashable],
+                 context_tokens: int | None = None) -> dict[Plan, tuple[float, float]]:
+        """Every candidate plan -> (predicted goodput tokens/s, expected tokens per sequence).
+        context_tokens: the batch's tokens in the KV cache, summed (None: the reference)."""
         B = max(1, batch_size)
         ids = list(request_ids) or [None] * B
         g = self.global_acceptance()
@@ -680,7 +741,8 @@ class AdaptiveController:
             miss.append(m)
             chain.append(chain[-1] + sum(prefixes))
         scale = B / len(accs)   # request_ids may be shorter than the batch (prefills)
-        t_verify0 = self.costs.t_verify(B, B)
+        ctx = context_tokens
+        t_verify0 = self.costs.t_verify(B, B, ctx)
         out: dict[Plan, tuple[float, float]] = {}
         if not self.costs.has_verify:
             # No measurement yet: cannot compare, report the plain-decode estimate only.
@@ -702,8 +764,8 @@ class AdaptiveController:
                 from_paths = self.tree_estimate(d, n) if n > d else None
                 if from_paths is not None:
                     total = from_paths * B
-                t_draft = d * guess if guess is not None else self.costs.t_draft_total(B, d)
-                cost = t_step + t_draft + (self.costs.t_verify(B, B * (n + 1)) if d else t_verify0)
+                t_draft = d * guess if guess is not None else self.costs.t_draft_total(B, d, ctx)
+                cost = t_step + t_draft + (self.costs.t_verify(B, B * (n + 1), ctx) if d else t_verify0)
                 out[Plan(d, n)] = (total / cost if cost > 0 else 0.0, total / B)
         return out
 
@@ -745,15 +807,16 @@ class AdaptiveController:
         self._tree_predicted += ga * (predicted / m - self._tree_predicted)
 
     # ---------------------------------------------------------------- decisions
-    def plan(self, batch_size: int, request_ids: Sequence[Hashable] = ()) -> Plan:
+    def plan(self, batch_size: int, request_ids: Sequence[Hashable] = (),
+             context_tokens: int | None = None) -> Plan:
         if self.mode == "static" or self.max_depth == 0:
             chosen = self.static_plan if self.mode == "static" else Plan(0, 0)
             if self.costs.has_verify:
-                scores = self.evaluate(batch_size, request_ids)
+                scores = self.evaluate(batch_size, request_ids, context_tokens)
                 self.goodput_estimate, self.expected_tokens_per_pass = scores.get(chosen, (0.0, 1.0))
             return self._record(chosen)
 
-        scores = self.evaluate(batch_size, request_ids)
+        scores = self.evaluate(batch_size, request_ids, context_tokens)
         top = max(g for g, _ in scores.values())
         # The shallowest plan within shallow_margin of the top: a deeper plan's estimate leans
         # on less measured, extrapolated costs and deeper (compounded) acceptance, its realised
@@ -855,12 +918,13 @@ class AdaptiveController:
             return
         self.num_steps += 1
         draft_depth = stats.depth if stats.draft_depth is None else stats.draft_depth
+        ctx = stats.context_tokens
         if draft_depth > 0 and stats.draft_s > 0:
             self.costs.observe_draft(B, stats.draft_s / draft_depth)
-            self.costs.observe_draft_total(B, draft_depth, stats.draft_s)
+            self.costs.observe_draft_total(B, draft_depth, stats.draft_s, context_tokens=ctx)
         if stats.verify_s > 0:
             num_tokens = B * (stats.num_nodes + 1) if stats.num_tokens is None else stats.num_tokens
-            self.costs.observe_verify(B, num_tokens, stats.verify_s)
+            self.costs.observe_verify(B, num_tokens, stats.verify_s, context_tokens=ctx)
             if stats.overhead_s > 0:
                 self.costs.observe_overhead(B, stats.overhead_s)
         total_s = stats.draft_s + stats.verify_s + stats.overhead_s

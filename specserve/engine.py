@@ -238,7 +238,8 @@ class LLMEngine:
         if logits is None:
             return {}
         tokens = self.sample(logits, decoding)
-        self.spec.observe(batch, Plan(), 0.0, time.perf_counter() - start, [], [])
+        self.spec.observe(batch, Plan(), 0.0, time.perf_counter() - start, [], [],
+                          context_tokens=sum(s.request.num_computed_tokens for s in batch.seqs))
         return {req.request_id: [t] for req, t in zip(decoding, tokens)}
 
     def mask_min_tokens(self, logits: torch.Tensor, rows: list[tuple[int, Request, int]]) -> None:

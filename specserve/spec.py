@@ -76,7 +76,7 @@ class NoSpeculation:
     def forget(self, request: Request) -> None:
         pass
 
-    def observe(self, *args) -> None:
+    def observe(self, *args, **kwargs) -> None:
         pass
 
     def end_step(self, step_s: float) -> None:
@@ -122,7 +122,8 @@ class Speculator:
         num_nodes = None
         if self.controller is not None:
             running = scheduler.running
-            chosen = self.controller.plan(max(1, len(running)), [r.request_id for r in running])
+            chosen = self.controller.plan(max(1, len(running)), [r.request_id for r in running],
+                                          sum(r.num_computed_tokens for r in running))
             depth = chosen.depth
             if self.tree_kind == "dynamic" and depth:
                 num_nodes = max(depth, chosen.num_nodes)
@@ -133,27 +134,31 @@ class Speculator:
         self.totals.last_depth = depth
         return Plan(depth, self.num_nodes(depth) if num_nodes is None else num_nodes)
 
-    def calibrate(self, max_batch_size: int, context: int = 32) -> None:
+    def calibrate(self, max_batch_size: int, context: int = 32, long_context: int = 256) -> None:
         """Warm-start the controller's cost tables with dummy forwards (DESIGN.md §6): one
         verify pass per (batch size, nodes per sequence), one draft step per batch size, and
-        the draft levels of a whole step at a few depths.
+        the draft levels of a whole step at a few depths, all at `context` tokens per sequence;
+        and what each token of context adds to a verify pass and to a draft level, from the
+        same one-row passes at `long_context`.
         The pool is empty at start-up, so the dummy sequences share its first blocks."""
         if self.controller is None:
             return
         engine = self.engine
         block_size = engine.pool.block_size
         max_nodes = self.controller.max_num_nodes
-        blocks = list(range(min(engine.pool.num_blocks, -(-(context + max_nodes + 1) // block_size))))
-        context = min(context, len(blocks) * block_size - max_nodes - 1)
+        room = min(engine.pool.num_blocks * block_size, engine.max_model_len) - max_nodes - 1
+        context = min(context, room)
+        long_context = min(long_context, room)
         if context < 1:
             return
 
-        def batch(batch_size: int, rows_per_seq: int) -> ForwardInput:
+        def batch(batch_size: int, rows_per_seq: int, ctx: int = context) -> ForwardInput:
+            blocks = list(range(-(-(ctx + rows_per_seq) // block_size)))
             inp = ForwardInput()
             for _ in range(batch_size):
-                inp.add([0] * rows_per_seq, list(range(context, context + rows_per_seq)),
-                        slots_for(blocks, block_size, context, rows_per_seq), blocks,
-                        context + rows_per_seq, logit_rows=list(range(rows_per_seq)))
+                inp.add([0] * rows_per_seq, list(range(ctx, ctx + rows_per_seq)),
+                        slots_for(blocks, block_size, ctx, rows_per_seq), blocks,
+                        ctx + rows_per_seq, logit_rows=list(range(rows_per_seq)))
             return inp
 
         def draft_levels(batch_size: int, depth: int) -> float:
@@ -171,8 +176,8 @@ class Speculator:
                 best = min(best, time.perf_counter() - start)
             return best
 
-        def run(runner, batch_size: int, rows_per_seq: int) -> float:
-            inp = batch(batch_size, rows_per_seq)
+        def run(runner, batch_size: int, rows_per_seq: int, ctx: int = context) -> float:
+            inp = batch(batch_size, rows_per_seq, ctx)
             best = float("inf")
             for _ in range(3):  # the first run warms up; keep the fastest
                 start = time.perf_counter()
@@ -188,17 +193,34 @@ class Speculator:
         nodes = sorted({0, 1, min(3, max_nodes), max_nodes})
         measure_draft = (lambda b: run(engine.draft, b, 1)) if self.drafter.has_kv else (lambda b: 1e-5)
         measure_total = draft_levels if self.drafter.has_kv else None
+
+        def context_slopes(b: int) -> tuple[float, float]:
+            """Seconds per token of context (summed over the batch): attention reads every
+            cached token for every row, so at many sequences with long contexts it is a large
+            share of a pass that does not grow with the rows verified. Without this term the
+            whole rise would scale every row count alike (the rows' level), and speculation
+            would look dearer than it is exactly at high load."""
+            if long_context <= context:
+                return 0.0, 0.0
+            span = b * (long_context - context)
+            verify = (run(engine.target, b, 1, long_context) - run(engine.target, b, 1)) / span
+            draft = 0.0
+            if self.drafter.has_kv:
+                draft = (run(engine.draft, b, 1, long_context) - run(engine.draft, b, 1)) / span
+            return verify, draft
+
         for b in sizes:  # one size at a time, so each keeps only the node counts that fit the budget
             self.controller.calibrate(
                 lambda b, num_tokens: run(engine.target, b, num_tokens // b), measure_draft,
                 batch_sizes=[b], nodes_per_seq=[n for n in nodes if b * (n + 1) <= budget],
                 measure_draft_total=measure_total if 2 * b <= budget else None,
                 draft_depths=(1, 3, self.controller.max_depth),
+                measure_context=context_slopes, reference_context=context,
             )
 
     def observe(self, batch: SchedulerOutput, plan: Plan, draft_s: float, verify_s: float,
                 num_accepted: list[int], request_ids: list[str], draft_is_typical: bool = True,
-                trees: list | None = None) -> None:
+                trees: list | None = None, context_tokens: int | None = None) -> None:
         """This step's timings and acceptance, for the controller once end_step() adds the
         rest of the step's time. Steps that also prefill would skew the decode cost model, so
         their timings are left out (their acceptance still counts), as is a draft time that
@@ -228,6 +250,7 @@ class Speculator:
             seq_depths=seq_depths,
             num_tokens=len(decoding) + sum(t.num_nodes for t in trees) if cut else None,
             draft_depth=max(seq_depths, default=0) if cut else None,
+            context_tokens=context_tokens,
         )
         if trees and plan.num_nodes > plan.depth and all(t.path_probs for t in trees):
             self._step_stats.path_probs = [t.path_probs for t in trees]
@@ -272,6 +295,7 @@ class Speculator:
 
         inp = ForwardInput()
         plain, verified = [], []  # requests sampled normally; (seq, tree, first logit row)
+        context = sum(s.request.num_computed_tokens for s in batch.seqs if not _is_prefill(s))
         for s in batch.seqs:
             req, start = s.request, s.request.num_computed_tokens
             tree = tree_of.get(req.request_id)
@@ -313,6 +337,7 @@ class Speculator:
             [s.request.request_id for s, _, _ in verified],
             draft_is_typical=backlog <= plan.depth + 1,
             trees=[tree for _, tree, _ in verified],
+            context_tokens=context,
         )
         return new_tokens
 

@@ -216,7 +216,7 @@ def test_guard_holds_plain_decoding_when_speculation_measures_slower():
     # the guard samples, so the bucket is held at depth 0 nearly all the time.
     rng = random.Random(3)
     ctrl = calibrated(compute_bound_verify, cheap_draft, probe_interval=0)
-    ctrl.evaluate = lambda b, ids: {Plan(d, d): (1000.0 if d == 3 else 500.0, 1.0) for d in range(9)}
+    ctrl.evaluate = lambda b, ids, ctx=None: {Plan(d, d): (1000.0 if d == 3 else 500.0, 1.0) for d in range(9)}
     plans = simulate(ctrl, 1200, 16, 0.6, compute_bound_verify, cheap_draft, rng)
     assert ctrl.num_guard_trips >= 1
     late = plans[300:]
@@ -230,7 +230,7 @@ def test_guard_also_judges_steps_with_cut_trees():
     # guard must still measure those steps (it once skipped them and never tripped at 64).
     rng = random.Random(6)
     ctrl = calibrated(compute_bound_verify, cheap_draft, probe_interval=0)
-    ctrl.evaluate = lambda b, ids: {Plan(d, d): (1000.0 if d == 3 else 500.0, 1.0) for d in range(9)}
+    ctrl.evaluate = lambda b, ids, ctx=None: {Plan(d, d): (1000.0 if d == 3 else 500.0, 1.0) for d in range(9)}
     ids = [f"r{i}" for i in range(64)]
     depths = []
     for _ in range(600):
@@ -266,7 +266,7 @@ def test_guard_leaves_small_batches_to_the_model():
     # the guard does not judge them (the wrong model of the first guard test is not overruled).
     rng = random.Random(5)
     ctrl = calibrated(compute_bound_verify, cheap_draft, probe_interval=0)
-    ctrl.evaluate = lambda b, ids: {Plan(d, d): (1000.0 if d == 3 else 500.0, 1.0) for d in range(9)}
+    ctrl.evaluate = lambda b, ids, ctx=None: {Plan(d, d): (1000.0 if d == 3 else 500.0, 1.0) for d in range(9)}
     plans = simulate(ctrl, 400, 2, 0.6, compute_bound_verify, cheap_draft, rng)
     assert ctrl.num_guard_trips == 0 and all(p.depth > 0 for p in plans)
 
@@ -479,3 +479,98 @@ def test_tree_plans_use_the_drafts_path_probabilities_once_measured():
     # A chain plan (nodes == depth) keeps the per-position acceptance model.
     accs = [ctrl.request_acceptance(r) for r in ("a", "b")]
     assert scores[Plan(2, 2)][1] == pytest.approx(sum(1 + a[0] + a[0] * a[1] for a in accs) / 2, rel=1e-6)
+
+
+# --- the context term: attention reads every cached token, whatever the rows verified ----------
+
+REF_CTX = 32
+
+
+def ctx_verify(batch_size, num_tokens, context_tokens):
+    # Rows cost their weights' compute, the context its attention reads, per sequence.
+    return 0.010 + 1e-3 * num_tokens + 5e-6 * context_tokens
+
+
+def ctx_draft_level(batch_size, context_tokens):
+    return 0.003 + 1e-7 * context_tokens
+
+
+def context_calibrated(with_context: bool, **kw) -> AdaptiveController:
+    ctrl = AdaptiveController(max_depth=4, **kw)
+    ctrl.calibrate(
+        lambda b, t: ctx_verify(b, t, b * REF_CTX),
+        lambda b: ctx_draft_level(b, b * REF_CTX),
+        batch_sizes=[64],
+        measure_draft_total=lambda b, d: d * ctx_draft_level(b, b * REF_CTX),
+        draft_depths=(1, 2, 3, 4),
+        measure_context=(lambda b: (5e-6, 1e-7)) if with_context else None,
+        reference_context=REF_CTX,
+    )
+    return ctrl
+
+
+def test_context_growth_is_not_taken_for_dearer_rows():
+    """Plain decoding at long contexts raises the measured cost of a pass. With the context
+    term the model keeps the rows' cost where it was and predicts a 4-row pass it has not run
+    at that context within 2%; read as a level that scales every row count alike, the same
+    measurements overpredict it by >25%."""
+    B, ctx = 64, 64 * 300
+    truth = ctx_verify(B, 4 * B, ctx)
+    predictions = {}
+    for with_context in (True, False):
+        ctrl = context_calibrated(with_context)
+        for _ in range(100):
+            ctrl.costs.observe_verify(B, B, ctx_verify(B, B, ctx), context_tokens=ctx)
+        predictions[with_context] = ctrl.costs.t_verify(B, 4 * B, ctx)
+        assert ctrl.costs.t_verify(B, B, ctx) == pytest.approx(ctx_verify(B, B, ctx), rel=0.02)
+    assert predictions[True] == pytest.approx(truth, rel=0.02)
+    assert predictions[False] > 1.25 * truth
+
+
+def test_speculates_at_high_load_with_long_contexts_when_it_pays():
+    """64 sequences with 300 tokens of context each, after a spell of plain decoding (as
+    after a guard hold, or a cell of a sweep): speculation at depth 2 yields ~1.3x plain
+    decoding under these costs. The controller goes back to speculating at once and keeps it;
+    the level-only model it replaces took the plain steps' rise for dearer rows and stayed at
+    plain decoding until a probe (every 200 steps without data) re-measured a deeper pass."""
+    B, per_seq = 64, 300
+    ids = [f"r{i}" for i in range(B)]
+
+    def run(ctrl, steps, rng):
+        plans = []
+        for _ in range(steps):
+            ctx = B * per_seq
+            plan = ctrl.plan(B, ids, ctx)
+            plans.append(plan)
+            accepted = []
+            for _ in ids:
+                n = 0
+                while n < plan.depth and rng.random() < 0.8:
+                    n += 1
+                accepted.append(n)
+            ctrl.observe(StepStats(
+                batch_size=B, depth=plan.depth, num_nodes=plan.num_nodes,
+                draft_s=plan.depth * ctx_draft_level(B, ctx),
+                verify_s=ctx_verify(B, B * (plan.num_nodes + 1), ctx),
+                num_accepted=accepted, request_ids=ids, context_tokens=ctx))
+        return plans
+
+    def goodput(d):
+        ctx = B * per_seq
+        tokens = B * sum(0.8 ** k for k in range(d + 1))
+        return tokens / (d * ctx_draft_level(B, ctx) + ctx_verify(B, B * (d + 1), ctx))
+
+    assert goodput(2) > 1.25 * goodput(0)
+    kept = {}
+    for with_context in (True, False):
+        ctrl = context_calibrated(with_context, guard_min_batch=1024)   # the model alone decides
+        ctrl.acceptance = [0.8] * ctrl.max_depth   # measured before the plain spell
+        for _ in range(150):
+            ctrl.observe(StepStats(batch_size=B, depth=0, num_nodes=0, draft_s=0.0,
+                                   verify_s=ctx_verify(B, B, B * per_seq), num_accepted=[],
+                                   request_ids=[], context_tokens=B * per_seq))
+        plans = run(ctrl, 300, random.Random(5))
+        kept[with_context] = plans
+    assert kept[True][0].depth >= 1
+    assert sum(p.depth >= 1 for p in kept[True]) >= 290
+    assert all(p.depth == 0 for p in kept[False][:40])

@@ -57,3 +57,28 @@ def test_controller_decisions_are_exported(adaptive_server):
     assert after['specserve_controller_verify_seconds{batch_size="1",num_tokens="1"}'] > 0
     assert after['specserve_controller_draft_step_seconds{batch_size="1"}'] > 0
     assert after['specserve_controller_verify_level{batch_size="1"}'] > 0
+
+
+def test_steps_carry_their_context_and_calibration_measured_its_cost(adaptive_server):
+    srv = adaptive_server
+    ctrl = srv.engine.spec.controller
+    seen = []
+    observe = ctrl.observe
+    ctrl.observe = lambda stats: (seen.append(stats), observe(stats))[1]
+    try:
+        client = srv.client()
+        model = client.models.list().data[0].id
+        out = client.completions.create(model=model, prompt="one two three four five six",
+                                        max_tokens=16, temperature=0)
+    finally:
+        del ctrl.observe
+    timed = [s for s in seen if s.verify_s > 0]
+    assert timed and all(s.batch_size == 1 for s in timed)
+    # the tokens already cached when the pass ran: from the prompt on, growing, never past the end
+    ctxs = [s.context_tokens for s in timed]
+    prompt = out.usage.prompt_tokens
+    assert ctxs == sorted(ctxs) and prompt <= ctxs[0] and ctxs[-1] < prompt + 16
+    snap = ctrl.costs.snapshot()
+    assert snap["reference_context"] == 32
+    assert 1 in snap["verify_s_per_context_token"] and 1 in snap["draft_s_per_context_token"]
+    assert all(v >= 0 for v in snap["verify_s_per_context_token"].values())
