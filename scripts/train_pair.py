@@ -438,6 +438,15 @@ def heldout_agreement(target, draft, stream: dict, args, num_batches: int = 8) -
     return same / count
 
 
+def draft_check(target, draft, heldout: dict, args, when: str) -> dict:
+    """The quick held-out check of the draft between stages: CE and agreement, printed."""
+    draft.eval()
+    out = {"ce": heldout_ce(draft, heldout, args),
+           "agreement": heldout_agreement(target, draft, heldout, args)}
+    print(f"draft {when}: held-out CE {out['ce']:.4f}, agreement {out['agreement']:.4f}")
+    return out
+
+
 # ----------------------------------------------------------------------------- on-policy data
 
 def onpolicy_prompts(corpus: dict, tok, num: int, seed: int, chat_fraction: float) -> list[list[int]]:
@@ -693,6 +702,11 @@ def main() -> None:
                    help="torch threads of the generating engine (batched, so both cores help)")
     p.add_argument("--onpolicy-lr", type=float, default=1e-3)
     p.add_argument("--onpolicy-batch", type=int, default=16)
+    p.add_argument("--onpolicy-kl-weight", type=float, default=0.0,
+                   help="add this weight of stage 4's loss (KL to the target on data windows), "
+                        "so that the draft keeps the target's distribution for sampled requests")
+    p.add_argument("--onpolicy-kl-batch", type=int, default=8,
+                   help="data windows (of --seq tokens) per step for that term")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--fp32", action="store_true", help="no bfloat16 autocast")
     args = p.parse_args()
@@ -762,11 +776,7 @@ def main() -> None:
                "chat_starts": streams["heldout"]["chat_starts"]}
     cont_summary = pre_continue = None
     if args.draft_continue_minutes > 0 or args.draft_continue_schedule is not None:
-        draft.eval()
-        pre_continue = {"ce": heldout_ce(draft, heldout, args),
-                        "agreement": heldout_agreement(target, draft, heldout, args)}
-        print(f"draft before continuation: held-out CE {pre_continue['ce']:.4f}, "
-              f"agreement {pre_continue['agreement']:.4f}")
+        pre_continue = draft_check(target, draft, heldout, args, "before continuation")
         T, w = args.continue_temperature, args.continue_kl_weight
 
         def agree_loss(model, batch):
@@ -792,11 +802,7 @@ def main() -> None:
                                    seq=args.continue_seq)
     onpolicy_summary = pre_onpolicy = None
     if args.draft_onpolicy_minutes > 0 or args.draft_onpolicy_schedule is not None:
-        draft.eval()
-        pre_onpolicy = {"ce": heldout_ce(draft, heldout, args),
-                        "agreement": heldout_agreement(target, draft, heldout, args)}
-        print(f"draft before the on-policy stage: held-out CE {pre_onpolicy['ce']:.4f}, "
-              f"agreement {pre_onpolicy['agreement']:.4f}")
+        pre_onpolicy = draft_check(target, draft, heldout, args, "before the on-policy stage")
         # The generator serves what is shipped: the target exported in bfloat16 (export() also
         # rounds the in-memory target, so everything after this sees the shipped weights).
         target.cpu()
@@ -815,17 +821,27 @@ def main() -> None:
               f"{args.onpolicy_new_tokens} tokens ({data['seconds']:.0f}s to generate); "
               f"draft agreement on the {num_val} kept apart: {pre_onpolicy['onpolicy_val_agreement']:.4f}")
 
+        kl_weight = args.onpolicy_kl_weight
+
         def draw(batch_size: int, seq: int, gen: torch.Generator):
-            return onpolicy_rows(data, torch.randint(num_train, (batch_size,), generator=gen))
+            rows = onpolicy_rows(data, torch.randint(num_train, (batch_size,), generator=gen))
+            if kl_weight <= 0:
+                return rows
+            return rows + (sample_batch(streams["train"], args.onpolicy_kl_batch, args.seq,
+                                        args.chat_fraction, gen),)
 
         def onpolicy_loss(model, batch):
-            inputs, labels = (t.to(device) for t in batch)
+            inputs, labels = batch[0].to(device), batch[1].to(device)
             with autocast():
                 logits = model(inputs).logits.float()
             ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
             keep = labels != -100
             agree = (logits.detach().argmax(-1)[keep] == labels[keep]).float().mean()
-            return ce, ce.detach(), agree.item()
+            if kl_weight <= 0:
+                return ce, ce.detach(), agree.item()
+            # Stage 4's loss on data windows beside it: the target's whole distribution, which
+            # is what sampled requests (temperature > 0) accept against.
+            return ce + kl_weight * draft_loss(model, batch[2])[0], ce.detach(), agree.item()
 
         onpolicy_summary = train_stage("draft_onpolicy", draft, streams, args,
                                        args.draft_onpolicy_minutes, args.draft_onpolicy_schedule,
