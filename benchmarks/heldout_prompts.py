@@ -15,7 +15,6 @@ import argparse
 import importlib.util
 import json
 import random
-import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,11 +35,7 @@ def build(num: int, min_chars: int, max_chars: int, seed: int) -> list[str]:
     starts = []
     for rel in held:
         text = (root / rel).read_text(encoding="utf-8", errors="replace")
-        for m in re.finditer(r"^[ \t]*(?:def|class) \w+", text, flags=re.M):
-            chunk = text[m.start() : m.start() + max_chars]
-            cut = chunk.rfind("\n", min_chars)
-            if cut > 0:
-                starts.append(chunk[: cut + 1])
+        starts.extend(train.function_starts(text, min_chars, max_chars))
     rng = random.Random(seed)
     rng.shuffle(starts)
     return starts[:num]

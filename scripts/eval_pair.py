@@ -164,6 +164,40 @@ def time_specserve_decode(paths: dict, prefix: int, steps: int, rounds: int) -> 
     return {name: statistics.median(ts) for name, ts in samples.items()}
 
 
+@torch.no_grad()
+def onpolicy_runs(target_dir: Path, draft, tok, texts: list[str], train, num_prompts: int,
+                  new_tokens: int) -> dict:
+    """Greedy speculation measured offline. The target alone (specserve) continues held-out
+    prompts (cut like the benchmarks': `function_starts`) greedily, EOS ignored; the draft is
+    teacher-forced on those sequences. While the draft's argmax equals the target's token a
+    greedy chain proposes exactly that token, so the run of matches starting at a position is
+    the accepted length of a chain started there: tokens per pass at depth k = 1 + the mean
+    over positions of min(run, k)."""
+    import random
+
+    from specserve import LLM, SamplingParams
+
+    prompts = [start for text in texts for start in train.function_starts(text)]
+    random.Random(0).shuffle(prompts)
+    ids = [tok.encode(p, add_special_tokens=False)[:128] for p in prompts[:num_prompts]]
+    llm = LLM(target=str(target_dir), dtype="float32", device="cpu", progress=False,
+              max_waiting_requests=max(1, len(ids)))
+    outs = llm.generate(ids, SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+    matches, runs = [], []
+    for prompt, out in zip(ids, outs):
+        seq = torch.tensor(prompt + out.token_ids)[None]
+        pred = draft(seq[:, :-1]).logits.argmax(-1)[0]   # pred[j] guesses seq[j + 1]
+        match = (pred[len(prompt) - 1:] == seq[0, len(prompt):]).tolist()
+        run, seq_runs = 0, []
+        for m in reversed(match):
+            run = run + 1 if m else 0
+            seq_runs.append(run)
+        matches += match
+        runs += seq_runs
+    return {"prompts": len(ids), "tokens": len(matches), "agreement": sum(matches) / len(matches),
+            "tokens_per_pass": {k: 1 + sum(min(r, k) for r in runs) / len(runs) for k in range(1, 9)}}
+
+
 def expected_tokens(a: float, k: int) -> float:
     return float(k + 1) if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
 
@@ -195,6 +229,9 @@ def main() -> None:
     p.add_argument("--window", type=int, default=512, help="tokens per held-out window")
     p.add_argument("--max-windows", type=int, default=100_000)
     p.add_argument("--max-chat", type=int, default=100_000)
+    p.add_argument("--onpolicy-prompts", type=int, default=200,
+                   help="held-out prompts the target continues for the on-policy figures")
+    p.add_argument("--onpolicy-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--timing-steps", type=int, default=40)
     p.add_argument("--timing-rounds", type=int, default=5)
@@ -215,6 +252,9 @@ def main() -> None:
     chat = score(target, draft, chat_windows(tok, texts, train, args.max_chat))
     print("held-out code:", code)
     print("held-out chat:", chat)
+
+    onp = onpolicy_runs(target_dir, draft, tok, texts, train, args.onpolicy_prompts, args.onpolicy_tokens)
+    print("target's own greedy output:", onp)
 
     hf_times = time_hf_decode({"target": target, "draft": draft}, 64, args.timing_steps, args.timing_rounds)
     print("transformers decode step:", hf_times)
@@ -265,7 +305,21 @@ def main() -> None:
         f"{chat['draft_ppl']:.2f} | {chat['agreement']:.3f} |",
         "",
         "Top-1 agreement = fraction of positions where argmax draft == argmax target, i.e. the",
-        "per-token acceptance rate of greedy speculation.",
+        "per-token acceptance rate of greedy speculation on text like the data.",
+        "",
+        "## On the target's own greedy output (what greedy speculation verifies)",
+        "",
+        f"{onp['prompts']} held-out prompts (first lines of a function or class, as the benchmarks cut",
+        f"them) continued by the target alone for {args.onpolicy_tokens} tokens, greedy, EOS ignored;",
+        "the draft teacher-forced on them. A greedy chain started at a position is accepted for as",
+        "long as the draft's argmax keeps matching, so tokens per pass at depth k is 1 + the mean",
+        "over start positions of min(run of matches, k).",
+        "",
+        f"Agreement with the target's tokens: {onp['agreement']:.3f} over {onp['tokens']:,} tokens.",
+        "",
+        "| k | " + " | ".join(str(k) for k in range(1, 9)) + " |",
+        "|---|" + "---|" * 8,
+        "| tokens per pass | " + " | ".join(f"{onp['tokens_per_pass'][k]:.2f}" for k in range(1, 9)) + " |",
         "",
         "## Cost of one decode step (batch 1, one token, KV cache of 64+ tokens, float32)",
         "",

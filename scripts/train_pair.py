@@ -449,21 +449,29 @@ def draft_check(target, draft, heldout: dict, args, when: str) -> dict:
 
 # ----------------------------------------------------------------------------- on-policy data
 
+def function_starts(text: str, min_chars: int = 120, max_chars: int = 400) -> list[str]:
+    """The first lines of every function or class of a module, cut at a line boundary between
+    min_chars and max_chars: code whose continuation a model of the corpus can predict (the
+    benchmarks' held-out prompts and the on-policy stage's training prompts are cut so)."""
+    out = []
+    for m in re.finditer(r"^[ \t]*(?:def|class) \w+", text, flags=re.M):
+        chunk = text[m.start():m.start() + max_chars]
+        cut = chunk.rfind("\n", min_chars)
+        if cut > 0:
+            out.append(chunk[:cut + 1])
+    return out
+
+
 def onpolicy_prompts(corpus: dict, tok, num: int, seed: int, chat_fraction: float) -> list[list[int]]:
     """Prompts from the training files only, cut like the benchmarks' held-out ones
-    (benchmarks/heldout_prompts.py): the first lines of a function or class, ending at a line
-    boundary between 120 and 400 characters; `chat_fraction` of them a chat turn whose user
-    message is a documented function's docstring, ending with the assistant's tag."""
+    (`function_starts`); `chat_fraction` of them a chat turn whose user message is a
+    documented function's docstring, ending with the assistant's tag."""
     code, chat = [], []
     for f in corpus["files"]:
         if f["held_out"]:
             continue
         text = f["text"]
-        for m in re.finditer(r"^[ \t]*(?:def|class) \w+", text, flags=re.M):
-            chunk = text[m.start():m.start() + 400]
-            cut = chunk.rfind("\n", 120)
-            if cut > 0:
-                code.append(chunk[:cut + 1])
+        code.extend(function_starts(text))
         chat.extend(render_chat([{"role": "user", "content": doc}], add_generation_prompt=True)
                     for doc, _ in chat_examples(text))
     rng = random.Random(seed)
