@@ -553,6 +553,12 @@ def export(model, tok, out: Path) -> None:
     }, indent=2) + "\n")
 
 
+def budget_text(minutes: float, schedule) -> str:
+    """A stage's budget as recorded: a replayed stage ran the steps of its schedule, whatever
+    minutes the command line had."""
+    return "replayed from its recorded schedule" if schedule is not None else f"budget {minutes} min"
+
+
 def write_records(corpus: dict, streams: dict, args, results: dict, out_dir: Path) -> None:
     files = corpus["files"]
     manifest = {
@@ -582,7 +588,7 @@ def write_records(corpus: dict, streams: dict, args, results: dict, out_dir: Pat
   seeded by (seed, stage 3, step), training files only.
 - Loss: {args.continue_kl_weight} * KL(softmax(target / T) || draft), T = {args.continue_temperature}
   (sharpened target), + {1 - args.continue_kl_weight:.2g} * CE(draft, argmax target) (hard distillation).
-- Budget {args.draft_continue_minutes} min; {cont['steps']} steps (warmup {args.continue_warmup},
+- {budget_text(args.draft_continue_minutes, args.draft_continue_schedule).capitalize()}; {cont['steps']} steps (warmup {args.continue_warmup},
   decay from step {cont['decay_start']} to step {cont['planned_steps']}), {cont['tokens']:,} tokens,
   {cont['seconds']:.0f} s; lr {cont['peak_lr']} linearly to 0.
 - Quick held-out check (8 x 16 x 256 code windows): agreement {pre['agreement']:.4f} -> {after_cont['agreement']:.4f},
@@ -595,6 +601,10 @@ def write_records(corpus: dict, streams: dict, args, results: dict, out_dir: Pat
     if onp:
         pre_onp = results["draft_pre_onpolicy"]
         cont_replay += f" --draft-onpolicy-schedule {onp['steps']} {onp['decay_start']}"
+        kl_md = "" if args.onpolicy_kl_weight <= 0 else (
+            f"\n  Plus {args.onpolicy_kl_weight} x stage 4's loss (0.9 KL(target || draft) + 0.1 CE) on"
+            f" {args.onpolicy_kl_batch} data windows of {args.seq} tokens per step: the target's whole"
+            f" distribution, which sampled requests accept against.")
         onp_md = f"""
 ## Draft on the target's own output (on-policy distillation)
 - Data: {onp['num_sequences']} prompts from the training files, cut like the benchmarks'
@@ -604,8 +614,8 @@ def write_records(corpus: dict, streams: dict, args, results: dict, out_dir: Pat
   itself ({onp['generated_tokens']:,} tokens in {onp['generation_seconds']:.0f} s; cached in
   `onpolicy.pt`). The last {onp['num_val']} sequences are kept apart.
 - Loss: CE(draft, the target's greedy token) on the generated positions only; the draft
-  reads the target's own continuation as its context, exactly what it sees when serving.
-- Budget {args.draft_onpolicy_minutes} min; {onp['steps']} steps of {onp['batch']} sequences
+  reads the target's own continuation as its context, exactly what it sees when serving.{kl_md}
+- {budget_text(args.draft_onpolicy_minutes, args.draft_onpolicy_schedule).capitalize()}; {onp['steps']} steps of {onp['batch']} sequences
   (warmup {args.continue_warmup}, decay from step {onp['decay_start']} to step {onp['planned_steps']}),
   {onp['seconds']:.0f} s; lr {onp['peak_lr']} linearly to 0.
 - Agreement with the target's greedy tokens on the kept-apart continuations:
@@ -644,11 +654,11 @@ is `corpus_manifest.json` beside this file.
   (seed, stage, step)); torch {torch.__version__}, {torch.get_num_threads()} threads,
   device {results['device']}.
 - Batches: {args.batch} x {args.seq} tokens, {args.chat_fraction:.0%} of rows start at a chat example.
-- Target {TARGET_ARCH}: budget {args.target_minutes} min; {tgt['steps']} steps
+- Target {TARGET_ARCH}: {budget_text(args.target_minutes, args.target_schedule)}; {tgt['steps']} steps
   (decay from step {tgt['decay_start']}, planned {tgt['planned_steps']}), {tgt['tokens']:,} tokens, {tgt['seconds']:.0f} s,
   peak lr {tgt['peak_lr']}; final train CE {tgt['final_train_ce']}, held-out code CE
   {results['target_heldout_ce']:.4f} (ppl {math.exp(results['target_heldout_ce']):.2f}).
-- Draft {DRAFT_ARCH}: budget {args.draft_minutes} min; {dft['steps']} steps
+- Draft {DRAFT_ARCH}: {budget_text(args.draft_minutes, args.draft_schedule)}; {dft['steps']} steps
   (decay from step {dft['decay_start']}, planned {dft['planned_steps']}), {dft['tokens']:,} tokens, {dft['seconds']:.0f} s,
   peak lr {dft['peak_lr']}; loss 0.9 KL(target || draft) + 0.1 CE; final train CE
   {dft['final_train_ce']}, held-out code CE {dft_ce:.4f}
