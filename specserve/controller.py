@@ -116,8 +116,11 @@ positions, more variance, more work lost when a stop cuts a run).
 **Guard.** The cost model can be wrong by more than the margins between plans (on the dev
 CPU its predictions for depths it has not run lately were off by 5-20%), and the one mistake
 a serving engine must not make is to speculate where plain decoding is faster. So the
-controller also keeps the *measured* goodput of whole steps (tokens / step seconds, EMA) per
-(batch bucket, depth). While speculating, every ``guard_interval`` steps it runs one plain
+controller also keeps the *measured* goodput of whole steps per (batch bucket, depth), as an
+EMA of measured / predicted tokens per second for each step (a bucket's steps differ in batch
+size and context, so raw tokens/s would compare the batches the samples happened to land on;
+the ratio keeps what the model gets wrong per depth, and times today's prediction it gives
+that depth's measured goodput for the batch at hand). While speculating, every ``guard_interval`` steps it runs one plain
 step, unless the plan in use has measured more than ``guard_band`` above a recent plain
 figure; when the plan in use has measured below plain decoding by more than ``guard_margin``
 (both within ``guard_max_age`` steps, at least ``guard_min_samples`` speculative steps), the
@@ -466,12 +469,13 @@ class CostModel:
 
 
 class _Measured:
-    """EMA of measured goodput (tokens/s) of whole steps at one (batch bucket, depth)."""
+    """EMA of measured goodput of whole steps at one (batch bucket, depth), as a ratio to
+    what the model predicted for each of those steps (raw tokens/s when it had no figure)."""
 
-    __slots__ = ("goodput", "count", "step")
+    __slots__ = ("goodput", "count", "step", "is_ratio")
 
-    def __init__(self, goodput: float, step: int):
-        self.goodput, self.count, self.step = goodput, 1, step
+    def __init__(self, goodput: float, step: int, is_ratio: bool = False):
+        self.goodput, self.count, self.step, self.is_ratio = goodput, 1, step, is_ratio
 
     def update(self, goodput: float, step: int, alpha: float) -> None:
         w = max(alpha, 1.0 / (self.count + 1))   # the first few averaged plainly
@@ -618,6 +622,7 @@ class AdaptiveController:
         self.expected_tokens_per_pass = 1.0  # predicted tokens per sequence per verify pass
         self.measured_goodput = 0.0          # EMA of observed tokens/s
         self.last_plan = self.current
+        self._planned: tuple[Plan, float] | None = None   # the plan handed out and its predicted goodput
 
     # ---------------------------------------------------------------- start-up
     def calibrate(
@@ -836,12 +841,12 @@ class AdaptiveController:
                     cur = self._switch(best)
         else:
             self._challenger_streak = 0
-        cur = self._guard(batch_size, cur)
+        cur = self._guard(batch_size, cur, scores)
         self.current = cur
 
         chosen = cur
         probe_pos = cur.depth  # 0-based index of the first position this plan leaves unverified
-        if cur.depth > 0 and self._wants_plain_sample(batch_size):
+        if cur.depth > 0 and self._wants_plain_sample(batch_size, scores):
             chosen = Plan(0, 0)   # one plain step: the guard's reference stays current
         elif (probe_pos < self.max_depth and self.probe_interval > 0
                 and self._steps_since_seen[probe_pos] >= self.probe_interval):
@@ -860,9 +865,17 @@ class AdaptiveController:
                     chosen = Plan(d, min(self.max_num_nodes, max(d, cur.num_nodes + d - cur.depth)))
                     self.num_explorations += 1
         self.goodput_estimate, self.expected_tokens_per_pass = scores.get(chosen, scores[cur])
+        self._planned = (chosen, self.goodput_estimate)
         return self._record(chosen)
 
-    def _guard(self, batch_size: int, cur: Plan) -> Plan:
+    def _measured_goodput(self, m: _Measured, plan: Plan, scores) -> float:
+        """A plan's goodput as measured, brought to the batch at hand: its measured/predicted
+        ratio times today's prediction (raw measured tokens/s when it has no ratio)."""
+        if m.is_ratio:
+            return m.goodput * scores.get(plan, (0.0, 1.0))[0]
+        return m.goodput
+
+    def _guard(self, batch_size: int, cur: Plan, scores) -> Plan:
         """Measured goodput overrules the model on speculating at all: a batch bucket whose
         speculative plan has measured below plain decoding (both measured recently) is held
         at depth 0 for guard_hold steps."""
@@ -875,13 +888,14 @@ class AdaptiveController:
             return cur
         m, m0 = self._fresh_measured(b, cur.depth), self._fresh_measured(b, 0)
         if (m is not None and m0 is not None and m.count >= self.guard_min_samples
-                and m.goodput < m0.goodput * (1.0 - self.guard_margin)):
+                and self._measured_goodput(m, cur, scores)
+                < self._measured_goodput(m0, Plan(0, 0), scores) * (1.0 - self.guard_margin)):
             self.num_guard_trips += 1
             self._guard_hold_until[b] = self.num_steps + self.guard_hold
             return self._switch(Plan(0, 0))
         return cur
 
-    def _wants_plain_sample(self, batch_size: int) -> bool:
+    def _wants_plain_sample(self, batch_size: int, scores) -> bool:
         """Every guard_interval speculative steps, one plain step, unless the plan in use has
         measured clearly (guard_band) above a recent plain step in this bucket."""
         if self.guard_interval <= 0 or batch_size < self.guard_min_batch:
@@ -894,7 +908,9 @@ class AdaptiveController:
         # A plain figure up to 4x the guard's age limit still shows a clear win as clear.
         m = self._fresh_measured(b, self.current.depth)
         m0 = self._fresh_measured(b, 0, 4 * self.guard_max_age)
-        return m0 is None or m is None or m.goodput < m0.goodput * self.guard_band
+        return m0 is None or m is None or (
+            self._measured_goodput(m, self.current, scores)
+            < self._measured_goodput(m0, Plan(0, 0), scores) * self.guard_band)
 
     def _fresh_measured(self, bucket: int, depth: int, max_age: int | None = None) -> _Measured | None:
         m = self._measured.get((bucket, depth))
@@ -938,12 +954,21 @@ class AdaptiveController:
         # at high load nearly every step has such a sequence, and what it emits (its accepted
         # run + 1, a plain row 1) and costs is what the plan really yields there.
         whole = stats.verify_s > 0 and (stats.depth == 0 or stats.draft_s > 0)
+        planned, self._planned = self._planned, None
         if whole:
             rate = (B + (sum(stats.num_accepted) if stats.depth else 0)) / total_s
+            # Measured over predicted for the step that ran: the batch size and the contexts of
+            # a bucket's steps differ (requests finish, contexts grow), and raw tokens/s of a
+            # plain sample taken at 32 sequences against speculative steps at 20 would compare
+            # the batches, not the plans. The ratio keeps what the model gets wrong per depth.
+            is_ratio = (planned is not None and planned[1] > 0
+                        and planned[0].depth == stats.depth and planned[0].num_nodes == stats.num_nodes)
+            if is_ratio:
+                rate /= planned[1]
             key = (_bucket(B), stats.depth)
             m = self._measured.get(key)
-            if m is None or self.num_steps - m.step > self.guard_max_age:
-                self._measured[key] = _Measured(rate, self.num_steps)
+            if m is None or m.is_ratio != is_ratio or self.num_steps - m.step > self.guard_max_age:
+                self._measured[key] = _Measured(rate, self.num_steps, is_ratio)
             else:
                 m.update(rate, self.num_steps, self.guard_alpha)
 

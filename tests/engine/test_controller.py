@@ -574,3 +574,31 @@ def test_speculates_at_high_load_with_long_contexts_when_it_pays():
     assert kept[True][0].depth >= 1
     assert sum(p.depth >= 1 for p in kept[True]) >= 290
     assert all(p.depth == 0 for p in kept[False][:40])
+
+
+def test_guard_compares_plans_not_batch_sizes():
+    # One batch bucket (17-32 sequences) whose steps differ in size: the plain samples happen to
+    # land on full batches of 32, the speculative steps on 18. Speculation at depth 3 is ~1.3x
+    # plain decoding at either size, but a plain step of 32 makes more tokens/s than a
+    # speculative step of 18; the guard judges each plan against what the model predicted for
+    # its own step, so it must not hold the bucket at plain decoding.
+    def verify(b, t):
+        return 0.010 + 3e-4 * t
+
+    draft = lambda b: 0.001  # noqa: E731
+    assert true_goodput(3, 18, 0.8, verify, draft) > 1.25 * true_goodput(0, 18, 0.8, verify, draft)
+    assert true_goodput(3, 18, 0.8, verify, draft) < true_goodput(0, 32, 0.8, verify, draft)
+    rng = random.Random(8)
+    ctrl = calibrated(verify, draft, probe_interval=0, explore_interval=0)
+    depths = []
+    for _ in range(800):
+        B = 32 if ctrl._guard_countdown == 1 else 18   # the next plan is a plain sample
+        ids = [f"r{i}" for i in range(B)]
+        plan = ctrl.plan(B, ids)
+        depths.append(plan.depth)
+        acc = [sum(1 for _ in range(plan.depth) if rng.random() < 0.8) for _ in ids] if plan.depth else []
+        tokens = B * (plan.num_nodes + 1)
+        ctrl.observe(StepStats(B, plan.depth, plan.num_nodes, plan.depth * draft(B), verify(B, tokens),
+                               num_accepted=acc, request_ids=ids if plan.depth else []))
+    assert ctrl.num_guard_trips == 0
+    assert sum(d >= 1 for d in depths[100:]) / len(depths[100:]) > 0.9
