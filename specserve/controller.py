@@ -123,8 +123,10 @@ the ratio keeps what the model gets wrong per depth, and times today's predictio
 that depth's measured goodput for the batch at hand). While speculating, every ``guard_interval`` steps it runs one plain
 step, unless the plan in use has measured more than ``guard_band`` above a recent plain
 figure; when the plan in use has measured below plain decoding by more than ``guard_margin``
-(both within ``guard_max_age`` steps, at least ``guard_min_samples`` speculative steps), the
-bucket is held at depth 0 for ``guard_hold`` steps. Only from ``guard_min_batch`` sequences
+(both within ``guard_max_age`` steps, at least ``guard_min_samples`` speculative steps and
+``guard_min_plain`` plain ones: one plain step is too thin a reference, a stall of the
+speculative steps or a lucky plain step would do), the bucket is held at depth 0 for
+``guard_hold`` steps. Only from ``guard_min_batch`` sequences
 on: with one or two, a step's goodput says more about the request running (acceptance
 differs from prompt to prompt by 2x) than about the plan, and the per-request acceptance
 model is the better judge; with many the step averages over requests and its cost decides.
@@ -522,7 +524,8 @@ class AdaptiveController:
         guard_margin: float = 0.03,
         guard_min_samples: int = 6,
         guard_max_age: int = 128,
-        guard_hold: int = 256,
+        guard_hold: int = 128,
+        guard_min_plain: int = 3,
         guard_interval: int = 32,
         guard_band: float = 1.15,
         guard_alpha: float = 0.2,
@@ -579,6 +582,7 @@ class AdaptiveController:
         self.guard_min_samples = guard_min_samples
         self.guard_max_age = guard_max_age
         self.guard_hold = guard_hold
+        self.guard_min_plain = guard_min_plain
         self.guard_interval = guard_interval
         self.guard_band = guard_band
         self.guard_alpha = guard_alpha
@@ -888,6 +892,7 @@ class AdaptiveController:
             return cur
         m, m0 = self._fresh_measured(b, cur.depth), self._fresh_measured(b, 0)
         if (m is not None and m0 is not None and m.count >= self.guard_min_samples
+                and m0.count >= self.guard_min_plain
                 and self._measured_goodput(m, cur, scores)
                 < self._measured_goodput(m0, Plan(0, 0), scores) * (1.0 - self.guard_margin)):
             self.num_guard_trips += 1

@@ -602,3 +602,31 @@ def test_guard_compares_plans_not_batch_sizes():
                                num_accepted=acc, request_ids=ids if plan.depth else []))
     assert ctrl.num_guard_trips == 0
     assert sum(d >= 1 for d in depths[100:]) / len(depths[100:]) > 0.9
+
+
+def test_one_lucky_plain_step_does_not_trip_the_guard():
+    # Speculation at depth 3 makes ~1.3x plain decoding; the first plain sample happens to run
+    # 1.8x faster than plain steps do (a quiet moment of the machine). One plain step is too
+    # thin a reference to hold the bucket at plain decoding for: it takes three.
+    def verify(b, t):
+        return 0.010 + 3e-4 * t
+
+    draft = lambda b: 0.001  # noqa: E731
+    B, ids = 18, [f"r{i}" for i in range(18)]
+    rng = random.Random(9)
+    ctrl = calibrated(verify, draft, probe_interval=0, explore_interval=0)
+    lucky = [True]
+    depths = []
+    for _ in range(600):
+        plan = ctrl.plan(B, ids)
+        depths.append(plan.depth)
+        acc = [sum(1 for _ in range(plan.depth) if rng.random() < 0.8) for _ in ids] if plan.depth else []
+        seconds = verify(B, B * (plan.num_nodes + 1))
+        if plan.depth == 0 and lucky[0] and ctrl.num_steps > 100:
+            seconds /= 1.8
+            lucky[0] = False
+        ctrl.observe(StepStats(B, plan.depth, plan.num_nodes, plan.depth * draft(B), seconds,
+                               num_accepted=acc, request_ids=ids if plan.depth else []))
+    assert not lucky[0]   # the lucky plain step did happen
+    assert ctrl.num_guard_trips == 0
+    assert sum(d >= 1 for d in depths[100:]) / len(depths[100:]) > 0.9
