@@ -103,6 +103,13 @@ class EngineConfig(_Section):
     # level is memory-bound and the BLAS does not split so few rows, so extra threads only add
     # their synchronisation; a verified chain or a batch has the rows to share.
     cpu_parallel_min_rows: PositiveInt = 5
+    # How linear layers run on the CPU (float32): "onednn" packs each weight once at start-up
+    # for oneDNN, which streams weights from memory much faster than torch's default MKL
+    # path but costs more per call; "torch" is plain F.linear; "auto" packs a model whose
+    # linear weights are at least `cpu_onednn_min_mib` (too big to stay in the CPU's caches).
+    # Other devices and dtypes always use F.linear.
+    cpu_linear: Literal["auto", "onednn", "torch"] = "auto"
+    cpu_onednn_min_mib: Annotated[float, Meta(ge=0.0)] = 8.0
     seed: int = 0
 
 
@@ -226,6 +233,9 @@ _SHORT_NAMES = {
 }
 
 
+_TOP_LEVEL = ("device", "seed", "cpu_threads", "cpu_parallel_min_rows", "cpu_linear", "cpu_onednn_min_mib")
+
+
 def with_overrides(cfg: EngineConfig, **overrides: Any) -> EngineConfig:
     """Apply keyword overrides: a short name above, `dtype` (both models), any field name that is
     unique across sections (`block_size`, `max_num_seqs`, ...), or `section__field`."""
@@ -240,7 +250,7 @@ def with_overrides(cfg: EngineConfig, **overrides: Any) -> EngineConfig:
         if name == "dtype":
             data["target"]["dtype"] = value
             data["draft"]["dtype"] = value
-        elif name in ("device", "seed", "cpu_threads", "cpu_parallel_min_rows"):
+        elif name in _TOP_LEVEL:
             data[name] = value
         elif name == "draft" and value in ("ngram", "none"):
             data["draft"]["kind"] = value
@@ -255,7 +265,7 @@ def with_overrides(cfg: EngineConfig, **overrides: Any) -> EngineConfig:
         elif len(fields_by_name.get(name, [])) == 1:
             data[fields_by_name[name][0]][name] = value
         else:
-            allowed = sorted({*_SHORT_NAMES, "dtype", "device", "seed", "cpu_threads", "cpu_parallel_min_rows"} | {
+            allowed = sorted({*_SHORT_NAMES, "dtype", *_TOP_LEVEL} | {
                 n for n, s in fields_by_name.items() if len(s) == 1})
             raise ConfigError(f"unknown setting '{name}'; allowed: {', '.join(allowed)} (or section__field)")
     return from_dict(data, source="settings")

@@ -56,6 +56,12 @@ def _dtype(name: str):
     return "auto" if name == "auto" else _DTYPES[name]
 
 
+def _wants_onednn(config: config_mod.EngineConfig, model) -> bool:
+    if config.cpu_linear == "auto":
+        return model.linear_weight_bytes() >= config.cpu_onednn_min_mib * 2**20
+    return config.cpu_linear == "onednn"
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True):
         self.config = config
@@ -99,6 +105,9 @@ class LLMEngine:
             bytes_per_block += draft_args.kv_bytes_per_block(block_size, draft_model.dtype)
         num_blocks = config.cache.num_blocks or self._size_pool(bytes_per_block)
         self.pool = KVPool(num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching)
+        for name, model in (("target", target), ("draft", draft_model)):
+            if model is not None and _wants_onednn(config, model) and model.pack_for_onednn():
+                logger.info("%s: linear layers run through oneDNN with packed weights", name)
         threads = CpuThreads(torch.get_num_threads(), config.cpu_parallel_min_rows)
         self.target = ModelRunner(target, self.target_args, num_blocks, block_size, self.device, threads)
         self.draft = (ModelRunner(draft_model, draft_args, num_blocks, block_size, self.device, threads)

@@ -1,0 +1,104 @@
+"""Linear layers through oneDNN with packed weights (config `cpu_linear`).
+
+The packed path must give transformers' logits (as F.linear does), for every family
+including Qwen2's biased q/k/v; each row's output must not depend on the rows beside it
+(what lets float32 speculation keep its promises); and the engine packs exactly the models
+the setting names: all of them ("onednn"), those at least `cpu_onednn_min_mib` big ("auto"),
+none ("torch"), never a float64 one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from specserve import LLM, SamplingParams
+from specserve.config import EngineConfig, with_overrides
+from specserve.errors import ConfigError
+from specserve.model.llama import linear, onednn_linear_available, pack_onednn
+from specserve.model.loader import load_model
+from tests.engine.test_model import ARCHS, hf_logits, prompt_ids, random_block_tables, run_chunks
+
+pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN")
+
+
+def is_packed(model) -> bool:
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    packed = ["onednn" in m.__dict__ for m in linears]
+    assert all(packed) or not any(packed)  # a model is packed whole or not at all
+    return all(packed)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_packed_forward_matches_transformers(arch, tiny_checkpoints):
+    path = tiny_checkpoints[arch]
+    model, args = load_model(path, dtype=torch.float32, progress=False)
+    ids = prompt_ids(30, args.vocab_size)
+    (table,) = random_block_tables([30])
+    plain = run_chunks(model, ids, [11, 9] + [1] * 10, table)
+    assert model.pack_for_onednn() and is_packed(model)
+    packed = run_chunks(model, ids, [11, 9] + [1] * 10, table)
+    expected = hf_logits(path, ids)
+    torch.testing.assert_close(packed, expected, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(packed, plain)  # it did take another path (different rounding)
+
+
+def test_packed_rows_do_not_depend_on_the_batch(tiny_qwen2):
+    model, _ = load_model(tiny_qwen2, dtype=torch.float32, progress=False)
+    layer = model.layers[0].attention.wqkv  # with a bias (Qwen2)
+    pack_onednn(layer)
+    x = torch.randn(64, layer.in_features, generator=torch.Generator().manual_seed(0))
+    full = linear(x, layer)
+    torch.testing.assert_close(full, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    for rows in (1, 2, 3, 8, 9, 33):
+        assert torch.equal(linear(x[:rows], layer), full[:rows]), rows
+
+
+def test_float64_and_other_devices_stay_unpacked(tiny_llama):
+    model, _ = load_model(tiny_llama, dtype=torch.float64, progress=False)
+    assert not model.pack_for_onednn() and not is_packed(model)
+
+
+def make_llm(path, **kw) -> LLM:
+    return LLM(target=str(path), draft=str(path), dtype="float32", device="cpu", progress=False,
+               num_blocks=64, block_size=4, spec_mode="static", spec_depth=3, **kw)
+
+
+def test_engine_packs_what_the_setting_says(tiny_llama):
+    # The tiny checkpoint's linears are far below the default 8 MiB: "auto" leaves them alone.
+    llm = make_llm(tiny_llama)
+    assert not is_packed(llm.engine.target.model) and not is_packed(llm.engine.draft.model)
+    llm = make_llm(tiny_llama, cpu_onednn_min_mib=0.0)
+    assert is_packed(llm.engine.target.model) and is_packed(llm.engine.draft.model)
+    llm = make_llm(tiny_llama, cpu_linear="onednn")
+    assert is_packed(llm.engine.target.model) and is_packed(llm.engine.draft.model)
+    llm = make_llm(tiny_llama, cpu_linear="torch", cpu_onednn_min_mib=0.0)
+    assert not is_packed(llm.engine.target.model) and not is_packed(llm.engine.draft.model)
+    # Threshold between the two: the bytes of one model's linears.
+    mib = llm.engine.target.model.linear_weight_bytes() / 2**20
+    llm = make_llm(tiny_llama, cpu_onednn_min_mib=mib * 1.01)
+    assert not is_packed(llm.engine.target.model)
+    llm = make_llm(tiny_llama, cpu_onednn_min_mib=mib * 0.99)
+    assert is_packed(llm.engine.target.model)
+
+
+def test_packed_engine_generates_like_the_unpacked_one(tiny_llama):
+    """Greedy, float32: speculation over packed models gives what target-only decoding over
+    unpacked ones gives (the logits differ only in rounding; the tiny checkpoint has no
+    near-ties, test_model.test_checkpoint_logits_are_not_degenerate)."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 11, 3, 7, 2, 8, 13, 21, 4, 6], [17, 3, 3, 9]]
+    plain = LLM(target=str(tiny_llama), draft="none", dtype="float32", device="cpu", progress=False,
+                num_blocks=64, block_size=4, cpu_linear="torch")
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    spec = make_llm(tiny_llama, cpu_linear="onednn")
+    assert [o.token_ids for o in spec.generate(prompts, params)] == expected
+    assert spec.engine.pool.num_free_blocks == spec.engine.pool.num_blocks
+
+
+def test_bad_setting_is_named():
+    with pytest.raises(ConfigError, match="cpu_linear"):
+        with_overrides(EngineConfig(), cpu_linear="mkl")
+    with pytest.raises(ConfigError, match="cpu_onednn_min_mib"):
+        with_overrides(EngineConfig(), cpu_onednn_min_mib=-1.0)
