@@ -105,8 +105,9 @@ class EngineConfig(_Section):
     cpu_parallel_min_rows: PositiveInt = 5
     # How linear layers run on the CPU (float32): "onednn" packs each weight once at start-up
     # for oneDNN, which streams weights from memory much faster than torch's default MKL
-    # path but costs more per call; "torch" is plain F.linear; "auto" packs a model whose
-    # linear weights are at least `cpu_onednn_min_mib` (too big to stay in the CPU's caches).
+    # path but costs more per call; "torch" is plain F.linear; "auto" packs every layer of a
+    # model whose linear weights are at least `cpu_onednn_min_mib` (too big to stay in the
+    # CPU's caches) and, in smaller models, the layers of 1 MiB or more (a draft's LM head).
     # Other devices and dtypes always use F.linear.
     cpu_linear: Literal["auto", "onednn", "torch"] = "auto"
     cpu_onednn_min_mib: Annotated[float, Meta(ge=0.0)] = 8.0

@@ -56,10 +56,19 @@ def _dtype(name: str):
     return "auto" if name == "auto" else _DTYPES[name]
 
 
-def _wants_onednn(config: config_mod.EngineConfig, model) -> bool:
-    if config.cpu_linear == "auto":
-        return model.linear_weight_bytes() >= config.cpu_onednn_min_mib * 2**20
-    return config.cpu_linear == "onednn"
+# With cpu_linear = "auto", layers this big are packed for oneDNN even in a model below
+# cpu_onednn_min_mib (a small draft's LM head: it streams from beyond the L2 cache every level).
+_ONEDNN_MIN_LAYER_BYTES = 2**20
+
+
+def _onednn_min_layer_bytes(config: config_mod.EngineConfig, model) -> int | None:
+    """Which of `model`'s linear layers to pack for oneDNN: those of at least this many bytes
+    (None: none)."""
+    if config.cpu_linear == "torch":
+        return None
+    if config.cpu_linear == "onednn" or model.linear_weight_bytes() >= config.cpu_onednn_min_mib * 2**20:
+        return 0
+    return _ONEDNN_MIN_LAYER_BYTES
 
 
 class LLMEngine:
@@ -106,8 +115,9 @@ class LLMEngine:
         num_blocks = config.cache.num_blocks or self._size_pool(bytes_per_block)
         self.pool = KVPool(num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching)
         for name, model in (("target", target), ("draft", draft_model)):
-            if model is not None and _wants_onednn(config, model) and model.pack_for_onednn():
-                logger.info("%s: linear layers run through oneDNN with packed weights", name)
+            min_bytes = None if model is None else _onednn_min_layer_bytes(config, model)
+            if min_bytes is not None and (packed := model.pack_for_onednn(min_bytes)):
+                logger.info("%s: %d linear layers run through oneDNN with packed weights", name, packed)
         threads = CpuThreads(torch.get_num_threads(), config.cpu_parallel_min_rows)
         self.target = ModelRunner(target, self.target_args, num_blocks, block_size, self.device, threads)
         self.draft = (ModelRunner(draft_model, draft_args, num_blocks, block_size, self.device, threads)

@@ -361,21 +361,25 @@ class CausalLM(nn.Module):
     def linear_weight_bytes(self) -> int:
         return sum(m.weight.numel() * m.weight.element_size() for m in self.modules() if isinstance(m, nn.Linear))
 
-    def pack_for_onednn(self) -> bool:
-        """On the CPU in float32: run every linear layer through oneDNN with its weight packed
-        once here. Where weights stream from memory this is much faster than torch's default
-        (MKL sgemm under F.linear): on the dev CPU the embedded target's one-row forward takes
-        0.74x the time, eight rows 0.68x (benchmarks/RESULTS.md). A oneDNN call costs more
-        than an MKL one, though, so for a model that sits in the CPU's caches (the embedded
-        draft, 2.5 MB of linear weights) it is slower: 1.3x at one row. oneDNN also gives each
-        row the same bits whatever the batch, which MKL does not. Returns False (and changes
-        nothing) where it does not apply: another device or dtype, or a torch without oneDNN."""
+    def pack_for_onednn(self, min_layer_bytes: int = 0) -> int:
+        """On the CPU in float32: run the linear layers of at least `min_layer_bytes` through
+        oneDNN, each weight packed once here. Where weights stream from memory this is much
+        faster than torch's default (MKL sgemm under F.linear): on the dev CPU the embedded
+        target's one-row forward takes 0.74x the time, eight rows 0.68x. A oneDNN call costs
+        more than an MKL one, though, so small layers that stay in the CPU's caches lose: the
+        embedded draft's one-row forward is 1.3x slower fully packed, yet its 2 MB LM head
+        alone packed makes a depth-7 step faster (benchmarks/RESULTS.md). oneDNN also gives
+        each row the same bits whatever the batch, which MKL does not. Returns the number of
+        layers packed: 0 (and nothing changed) where it does not apply, on another device or
+        dtype, or with a torch without oneDNN."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not onednn_linear_available():
-            return False
+            return 0
+        packed = 0
         for module in self.modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, nn.Linear) and module.weight.numel() * module.weight.element_size() >= min_layer_bytes:
                 pack_onednn(module)
-        return True
+                packed += 1
+        return packed
 
     def tie_weights(self) -> None:
         if self.args.tie_word_embeddings:

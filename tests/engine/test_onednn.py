@@ -1,10 +1,10 @@
 """Linear layers through oneDNN with packed weights (config `cpu_linear`).
 
 The packed path must give transformers' logits (as F.linear does), for every family
-including Qwen2's biased q/k/v; each row's output must not depend on the rows beside it
-(what lets float32 speculation keep its promises); and the engine packs exactly the models
-the setting names: all of them ("onednn"), those at least `cpu_onednn_min_mib` big ("auto"),
-none ("torch"), never a float64 one.
+including Qwen2's biased q/k/v; each row's output must not depend on the rows beside it;
+and the engine packs exactly the layers the setting names: all ("onednn"); every layer of a
+model of at least `cpu_onednn_min_mib` and the layers of 1 MiB or more of a smaller one
+("auto"); none ("torch"); never those of a float64 model.
 """
 
 from __future__ import annotations
@@ -18,16 +18,22 @@ from specserve.config import EngineConfig, with_overrides
 from specserve.errors import ConfigError
 from specserve.model.llama import linear, onednn_linear_available, pack_onednn
 from specserve.model.loader import load_model
+from tests.checkpoints import make_checkpoint
 from tests.engine.test_model import ARCHS, hf_logits, prompt_ids, random_block_tables, run_chunks
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN")
 
 
+def packed_layers(model) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and "onednn" in m.__dict__]
+
+
 def is_packed(model) -> bool:
+    """Every linear layer packed (False: none is; a mix fails)."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    packed = ["onednn" in m.__dict__ for m in linears]
-    assert all(packed) or not any(packed)  # a model is packed whole or not at all
-    return all(packed)
+    packed = packed_layers(model)
+    assert len(packed) in (0, len(linears)), packed
+    return bool(packed)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -37,7 +43,7 @@ def test_packed_forward_matches_transformers(arch, tiny_checkpoints):
     ids = prompt_ids(30, args.vocab_size)
     (table,) = random_block_tables([30])
     plain = run_chunks(model, ids, [11, 9] + [1] * 10, table)
-    assert model.pack_for_onednn() and is_packed(model)
+    assert model.pack_for_onednn() == 2 * 4 + 1 and is_packed(model)  # 4 per layer (fused), the head
     packed = run_chunks(model, ids, [11, 9] + [1] * 10, table)
     expected = hf_logits(path, ids)
     torch.testing.assert_close(packed, expected, atol=1e-4, rtol=1e-4)
@@ -81,6 +87,17 @@ def test_engine_packs_what_the_setting_says(tiny_llama):
     assert not is_packed(llm.engine.target.model)
     llm = make_llm(tiny_llama, cpu_onednn_min_mib=mib * 0.99)
     assert is_packed(llm.engine.target.model)
+
+
+def test_auto_packs_the_big_layers_of_a_small_model(tmp_path):
+    """A model below cpu_onednn_min_mib with a 1 MiB LM head (4096 x 64 float32): "auto"
+    packs the head only."""
+    path = make_checkpoint(tmp_path / "wide_head", vocab_size=4096)
+    llm = LLM(target=str(path), draft="none", dtype="float32", device="cpu", progress=False,
+              num_blocks=64, block_size=4)
+    assert packed_layers(llm.engine.target.model) == ["output"]
+    model, _ = load_model(path, dtype=torch.float32, progress=False)
+    assert model.pack_for_onednn(min_layer_bytes=2**20 + 1) == 0 and not packed_layers(model)
 
 
 def test_packed_engine_generates_like_the_unpacked_one(tiny_llama):
