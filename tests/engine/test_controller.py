@@ -446,7 +446,10 @@ def test_neighbours_are_explored_one_step_at_a_time():
     # Every explore_interval steps one step runs one level shallower or deeper (alternately)
     # than the plan in use, so the neighbours' costs stay measured.
     rng = random.Random(9)
-    ctrl = calibrated(roofline_verify, cheap_draft, explore_interval=10, probe_interval=0, guard_interval=0)
+    # (shallow_margin as when this was written: at 5% the plan in use here sits on the margin's edge
+    # and changes now and then, which is not what this test is about)
+    ctrl = calibrated(roofline_verify, cheap_draft, explore_interval=10, probe_interval=0, guard_interval=0,
+                      shallow_margin=0.03)
     simulate(ctrl, 200, 1, 0.8, roofline_verify, cheap_draft, rng, ids=["a"])
     plans = simulate(ctrl, 100, 1, 0.8, roofline_verify, cheap_draft, rng, ids=["a"])
     excursions = [(i, plans[i].depth - plans[i - 1].depth) for i in range(1, len(plans) - 1)
