@@ -151,6 +151,11 @@ def main(argv=None):
     if args.interleave:
         procs, bases = [], {}
         try:
+            # One server at a time: each calibrates its controller's cost model at start-up, and
+            # eight servers loading and calibrating at once on a small machine would hand the
+            # adaptive one a cost curve measured under contention (its shape, deep against
+            # shallow, is what the online measurements scale; the fifth session's sweeps had
+            # adaptive at depth ~3 where alone it runs 4-6).
             for i, setting in enumerate(settings):
                 bases[setting] = running.get(setting)
                 if bases[setting] is None:
@@ -158,6 +163,7 @@ def main(argv=None):
                     bases[setting] = f"http://127.0.0.1:{port}"
                     procs.append(start_server(args.server_cmd, args.config, port, SETTINGS[setting],
                                               out / f"server_{setting}.log"))
+                    wait_healthy(bases[setting], procs[-1], args.startup_timeout)
             for setting in settings:
                 wait_healthy(bases[setting], None, args.startup_timeout)
                 warm_up(setting, bases[setting])
