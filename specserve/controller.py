@@ -108,13 +108,16 @@ does not move every bucket alike. So every ``explore_interval`` steps (speculati
 runs one level deeper or shallower, alternately: the neighbours stay measured, for about
 ``1 / explore_interval`` of a near-best step's goodput.
 
-**Preferring shallow.** The plan aimed at is the shallowest whose predicted goodput is within
-``shallow_margin`` of the highest: near the top the curve is flat, and the deeper plan's
-figure is the less certain one (extrapolated costs, acceptance compounded over more
-positions, more variance, more work lost when a stop cuts a run). Measured in a server at one
-request (embedded pair, one thread): depths 5, 7 and 8 were predicted within 4% of each other
-with costs right to 2%, but depth 8's tokens per pass came out 4% below its prediction (5.05
-against 5.28) and its goodput 5% below depth 7's, in 300 of 700 steps; hence 5%, not 3%.
+**The middle of the band.** Near the top the goodput curve is flat (on the dev CPU at one
+request, static depths 4-7 measured within 4% of each other) and the predictions carry errors
+of a few percent (noisy timings, costs of depths not run lately, acceptance compounded over
+deep positions), so the argmax wanders over the flat top, and a rule that takes either edge of
+it lands where the curve starts to fall: the shallowest plan within a margin of the top (this
+controller's rule until the sixth session) ran depth 3 at one request where depths 5-7 were
+best, and depth 2 at 64 requests where 3-5 were. The plan aimed at is the middle of the band
+instead: the band holds every plan predicted within ``band_margin`` of the top, its median
+depth (the lower of two) is taken, and at that depth the plan predicted best. Errors smaller
+than the margin then cannot move the plan off the flat top, whichever side they push.
 
 **Guard.** The cost model can be wrong by more than the margins between plans (on the dev
 CPU its predictions for depths it has not run lately were off by 5-20%), and the one mistake
@@ -138,7 +141,10 @@ word on speculating at all.
 
 **Hysteresis.** The current plan is kept unless the best plan's predicted goodput beats it by
 more than ``switch_margin`` (relative), or some other plan has been best for
-``switch_patience`` consecutive plans (then the latest best is taken).
+``switch_patience`` consecutive evaluations (then the latest best is taken). A plan is
+evaluated afresh when the batch changes and every ``replan_interval`` steps in between (an
+evaluation is ~0.1 ms of Python, 1-2% of a one-request step on the CPU); the steps between
+keep the plan, and the guard, probes and explorations still run every step.
 """
 
 from __future__ import annotations
@@ -197,20 +203,26 @@ def _bucket(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
-def _across_batch_buckets(buckets: list[int], batch_size: int, at: Callable[[int], float]) -> float:
-    """`at(bucket)` for batch_size's own bucket when measured, else interpolated in log2 B
-    between the measured buckets around it (the nearest one beyond either end)."""
+def _bucket_weights(buckets: list[int], batch_size: int) -> list[tuple[int, float]]:
+    """How a query at batch_size reads the measured batch buckets (sorted): its own bucket
+    when measured, else interpolated in log2 B between the measured buckets around it (the
+    nearest one beyond either end). [(bucket, weight)], weights summing to 1."""
     b = _bucket(batch_size)
-    if b in buckets:
-        return at(b)
     i = bisect.bisect_left(buckets, b)
+    if i < len(buckets) and buckets[i] == b:
+        return [(b, 1.0)]
     if i == 0:
-        return at(buckets[0])
+        return [(buckets[0], 1.0)]
     if i == len(buckets):
-        return at(buckets[-1])
+        return [(buckets[-1], 1.0)]
     lo, hi = buckets[i - 1], buckets[i]
     f = (math.log2(b) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
-    return (1 - f) * at(lo) + f * at(hi)
+    return [(lo, 1.0 - f), (hi, f)]
+
+
+def _across_batch_buckets(buckets: list[int], batch_size: int, at: Callable[[int], float]) -> float:
+    """`at(bucket)` read across the measured batch buckets as :func:`_bucket_weights` says."""
+    return sum(w * at(b) for b, w in _bucket_weights(buckets, batch_size))
 
 
 class _EmaPoint:
@@ -233,14 +245,16 @@ class _EmaPoint:
         self.count += 1
 
 
-def _interp_points(points: list[_EmaPoint], x: float) -> float:
+def _interp_points(points: list[_EmaPoint], x: float, xs: list[float] | None = None) -> float:
     """Piecewise-linear through points sorted by x (between two measured points whatever
     they say: on the CPU more rows can cost less); linear extrapolation with the end
-    segments' slopes (never negative); one point: half fixed, half proportional to x."""
+    segments' slopes (never negative); one point: half fixed, half proportional to x.
+    xs: the points' x, when the caller has them."""
     if len(points) == 1:
         p = points[0]
         return p.t * (0.5 + 0.5 * x / p.x) if p.x > 0 else p.t
-    xs = [p.x for p in points]
+    if xs is None:
+        xs = [p.x for p in points]
     i = bisect.bisect_left(xs, x)
     inside = 0 < i < len(points)
     if i == 0:
@@ -265,13 +279,14 @@ class _Row:
     reference being its first few measurements brought to level 1 (kept fixed after that, so
     that a lasting change of the costs is all taken up by the level, which every point reads)."""
 
-    __slots__ = ("points", "level", "key", "_current")
+    __slots__ = ("points", "level", "key", "_current", "_xs")
 
     def __init__(self, key: Callable[[int], int] = None):
         self.points: dict[int, _EmaPoint] = {}
         self.level = 1.0
         self.key = key or _bucket   # x -> the point it updates (token counts: power-of-two buckets)
         self._current: list[_EmaPoint] | None = None   # cache of current(), until the next observe
+        self._xs: list[float] = []                     # and of its points' x
 
     def current(self) -> list[_EmaPoint]:
         """The points at today's level, sorted by token count (copies; do not modify)."""
@@ -283,10 +298,12 @@ class _Row:
             q = _EmaPoint(p.x, p.t * self.level / p.level)
             out.append(q)
         self._current = out
+        self._xs = [q.x for q in out]
         return out
 
     def predict(self, num_tokens: float) -> float:
-        return _interp_points(self.current(), num_tokens)
+        points = self.current()
+        return _interp_points(points, num_tokens, self._xs)
 
     def observe(self, num_tokens: int, seconds: float, alpha: float, level_alpha: float,
                 is_reference: bool = False, provisional: bool = False, key: int | None = None) -> None:
@@ -335,7 +352,7 @@ class _Row:
 class CostModel:
     """Measured step costs: t_draft(B) per draft step and t_verify(B, num_tokens) per pass."""
 
-    def __init__(self, alpha: float = 0.1, level_alpha: float = 0.05):
+    def __init__(self, alpha: float = 0.03, level_alpha: float = 0.1):
         self.alpha = alpha
         self.level_alpha = level_alpha
         self._draft: dict[int, _EmaPoint] = {}                    # batch bucket -> (B, t) of one draft level
@@ -405,20 +422,7 @@ class CostModel:
         (piecewise-linear in depth like the verify rows: the first level costs more than the
         others, as it also catches the draft up and runs with the caches cold after the target's
         pass); batch buckets without any fall back on depth x the start-up per-level time."""
-        if depth <= 0:
-            return 0.0
-        buckets = sorted(set(self._draft_rows) | set(self._draft))
-        if not buckets:
-            return 0.0
-
-        def at(bucket: int) -> float:
-            row = self._draft_rows.get(bucket)
-            if row is not None:
-                return row.predict(depth)
-            return depth * self._draft[bucket].t
-
-        base = _across_batch_buckets(buckets, batch_size, at)
-        return max(0.1 * base, base + depth * self._excess_context(self._ctx_draft, batch_size, context_tokens))
+        return self.t_draft_total_many(batch_size, [depth], context_tokens)[0]
 
     def observe_overhead(self, batch_size: int, seconds: float) -> None:
         b = _bucket(batch_size)
@@ -451,12 +455,42 @@ class CostModel:
             return 0.0
         return _interp_points([self._overhead[b] for b in sorted(self._overhead)], batch_size)
 
-    def t_verify(self, batch_size: int, num_tokens: int, context_tokens: int | None = None) -> float:
+    def t_verify_many(self, batch_size: int, token_counts: Sequence[int],
+                      context_tokens: int | None = None) -> list[float]:
+        """t_verify for several token counts at one batch size (what a plan reads every step:
+        the batch buckets and the context term are looked up once)."""
         if not self._verify:
-            return 0.0
-        base = _across_batch_buckets(sorted(self._verify), batch_size,
-                                     lambda bucket: self._verify[bucket].predict(num_tokens))
-        return max(0.1 * base, base + self._excess_context(self._ctx_verify, batch_size, context_tokens))
+            return [0.0] * len(token_counts)
+        weights = [(self._verify[b], w) for b, w in _bucket_weights(sorted(self._verify), batch_size)]
+        excess = self._excess_context(self._ctx_verify, batch_size, context_tokens)
+        out = []
+        for n in token_counts:
+            base = sum(w * row.predict(n) for row, w in weights)
+            out.append(max(0.1 * base, base + excess))
+        return out
+
+    def t_draft_total_many(self, batch_size: int, depths: Sequence[int],
+                           context_tokens: int | None = None) -> list[float]:
+        """t_draft_total for several depths at one batch size."""
+        buckets = sorted(set(self._draft_rows) | set(self._draft))
+        if not buckets:
+            return [0.0] * len(depths)
+        weights = _bucket_weights(buckets, batch_size)
+        excess = self._excess_context(self._ctx_draft, batch_size, context_tokens)
+        out = []
+        for d in depths:
+            if d <= 0:
+                out.append(0.0)
+                continue
+            base = 0.0
+            for b, w in weights:
+                row = self._draft_rows.get(b)
+                base += w * (row.predict(d) if row is not None else d * self._draft[b].t)
+            out.append(max(0.1 * base, base + d * excess))
+        return out
+
+    def t_verify(self, batch_size: int, num_tokens: int, context_tokens: int | None = None) -> float:
+        return self.t_verify_many(batch_size, [num_tokens], context_tokens)[0]
 
     def snapshot(self) -> dict:
         return {
@@ -510,18 +544,19 @@ class AdaptiveController:
         acceptance_alpha: float = 0.05,
         request_alpha: float = 0.1,
         request_shrinkage: float = 4.0,
-        cost_alpha: float = 0.1,
+        cost_alpha: float = 0.03,
         stale_decay: float = 0.005,
         position_shrinkage: float = 4.0,
         weight_decay: float = 0.01,
         request_stale_decay: float = 0.02,
         switch_margin: float = 0.03,
-        switch_patience: int = 20,
+        switch_patience: int = 5,
+        replan_interval: int = 4,
         probe_interval: int = 200,
         probe_depth: int = 2,
         explore_interval: int = 16,
         tree_min_samples: int = 8,
-        shallow_margin: float = 0.05,
+        band_margin: float = 0.05,
         tree_max_profiled: int = 8,
         draft_cost_guess: float = 0.2,
         guard_margin: float = 0.03,
@@ -575,10 +610,11 @@ class AdaptiveController:
         self.request_stale_decay = request_stale_decay
         self.switch_margin = switch_margin
         self.switch_patience = switch_patience
+        self.replan_interval = max(1, replan_interval)
         self.probe_interval = probe_interval
         self.explore_interval = explore_interval
         self.tree_min_samples = tree_min_samples
-        self.shallow_margin = shallow_margin
+        self.band_margin = band_margin
         self.tree_max_profiled = tree_max_profiled
         self.draft_cost_guess = draft_cost_guess
         self.guard_margin = guard_margin
@@ -629,6 +665,9 @@ class AdaptiveController:
         self.expected_tokens_per_pass = 1.0  # predicted tokens per sequence per verify pass
         self.measured_goodput = 0.0          # EMA of observed tokens/s
         self.last_plan = self.current
+        self._scores: dict[Plan, tuple[float, float]] | None = None   # the last evaluation,
+        self._scores_key: tuple | None = None                          # the batch it was for,
+        self._since_evaluated = 0                                      # and plans since
         self._planned: tuple[Plan, float] | None = None   # the plan handed out and its predicted goodput
 
     # ---------------------------------------------------------------- start-up
@@ -754,18 +793,25 @@ class AdaptiveController:
             chain.append(chain[-1] + sum(prefixes))
         scale = B / len(accs)   # request_ids may be shorter than the batch (prefills)
         ctx = context_tokens
-        t_verify0 = self.costs.t_verify(B, B, ctx)
         out: dict[Plan, tuple[float, float]] = {}
         if not self.costs.has_verify:
             # No measurement yet: cannot compare, report the plain-decode estimate only.
             out[Plan(0, 0)] = (0.0, 1.0)
             return out
+        # Every cost this step reads, in two lookups (a plan is made every engine step).
+        all_budgets = [self._node_budgets(d) for d in range(self.max_depth + 1)]
+        node_counts = sorted({n for budgets in all_budgets for n in budgets})
+        verify = dict(zip(node_counts, self.costs.t_verify_many(B, [B * (n + 1) for n in node_counts], ctx)))
+        t_verify0 = verify[0]
         # Before the first draft measurement, guess a draft step at a fraction of a decode
         # pass; the first speculative step replaces the guess with a measurement.
-        guess = None if self.costs.has_draft else self.draft_cost_guess * t_verify0
+        if self.costs.has_draft:
+            drafts = self.costs.t_draft_total_many(B, range(self.max_depth + 1), ctx)
+        else:
+            drafts = [d * self.draft_cost_guess * t_verify0 for d in range(self.max_depth + 1)]
         t_step = self.costs.t_overhead(B)
         for d in range(self.max_depth + 1):
-            budgets = self._node_budgets(d)
+            budgets = all_budgets[d]
             gains = self._alternate_gains(miss, d, budgets[-1] - d) if d else []
             cum = [0.0]
             for g in gains:
@@ -776,8 +822,7 @@ class AdaptiveController:
                 from_paths = self.tree_estimate(d, n) if n > d else None
                 if from_paths is not None:
                     total = from_paths * B
-                t_draft = d * guess if guess is not None else self.costs.t_draft_total(B, d, ctx)
-                cost = t_step + t_draft + (self.costs.t_verify(B, B * (n + 1), ctx) if d else t_verify0)
+                cost = t_step + drafts[d] + verify[n]
                 out[Plan(d, n)] = (total / cost if cost > 0 else 0.0, total / B)
         return out
 
@@ -828,26 +873,19 @@ class AdaptiveController:
                 self.goodput_estimate, self.expected_tokens_per_pass = scores.get(chosen, (0.0, 1.0))
             return self._record(chosen)
 
-        scores = self.evaluate(batch_size, request_ids, context_tokens)
-        top = max(g for g, _ in scores.values())
-        # The shallowest plan within shallow_margin of the top: a deeper plan's estimate leans
-        # on less measured, extrapolated costs and deeper (compounded) acceptance, its realised
-        # tokens vary more, and it wastes more when a stop cuts the run.
-        best = min((p for p, (g, _) in scores.items() if g >= top * (1.0 - self.shallow_margin)),
-                   key=lambda p: (p.depth, p.num_nodes))
-        cur = self.current if self.current in scores else best
-        g_best, g_cur = scores[best][0], scores[cur][0]
-        if best != cur:
-            if g_best > g_cur * (1.0 + self.switch_margin):
-                cur = self._switch(best)
-            else:
-                # Any challenger counts: near a flat top the shallowest plan within the band
-                # changes from step to step, and a streak of one challenger would never end.
-                self._challenger_streak += 1
-                if self._challenger_streak >= self.switch_patience:
-                    cur = self._switch(best)
+        # Re-evaluated when the batch changes and every replan_interval steps in between: a
+        # plan takes ~0.1 ms of Python, 1-2% of a one-request step on the CPU, and the
+        # estimates it reads move by an EMA step per engine step.
+        batch_key = (batch_size, tuple(request_ids))
+        self._since_evaluated += 1
+        fresh = (self._scores is None or batch_key != self._scores_key
+                 or self._since_evaluated >= self.replan_interval)
+        if fresh:
+            scores = self.evaluate(batch_size, request_ids, context_tokens)
+            self._scores, self._scores_key, self._since_evaluated = scores, batch_key, 0
         else:
-            self._challenger_streak = 0
+            scores = self._scores
+        cur = self._decide(scores) if fresh else self.current
         cur = self._guard(batch_size, cur, scores)
         self.current = cur
 
@@ -874,6 +912,33 @@ class AdaptiveController:
         self.goodput_estimate, self.expected_tokens_per_pass = scores.get(chosen, scores[cur])
         self._planned = (chosen, self.goodput_estimate)
         return self._record(chosen)
+
+    def _decide(self, scores: dict[Plan, tuple[float, float]]) -> Plan:
+        """The plan to run from a fresh evaluation: the middle of the band, with hysteresis."""
+        top = max(g for g, _ in scores.values())
+        best = self._middle_of_band(scores, top)
+        cur = self.current if self.current in scores else best
+        if best == cur:
+            self._challenger_streak = 0
+            return cur
+        if scores[best][0] > scores[cur][0] * (1.0 + self.switch_margin):
+            return self._switch(best)
+        # Any challenger counts: near a flat top the middle of the band changes from one
+        # evaluation to the next, and a streak of one challenger would never end.
+        self._challenger_streak += 1
+        if self._challenger_streak >= self.switch_patience:
+            return self._switch(best)
+        return cur
+
+    def _middle_of_band(self, scores: dict[Plan, tuple[float, float]], top: float) -> Plan:
+        """The plan aimed at: the band is every plan predicted within band_margin of the top;
+        its depth is the band's median depth (the lower one of two), and at that depth the
+        plan predicted best. See "The middle of the band" in the module docstring."""
+        floor = top * (1.0 - self.band_margin)
+        band = [p for p, (g, _) in scores.items() if g >= floor]
+        depths = sorted({p.depth for p in band})
+        depth = depths[(len(depths) - 1) // 2]
+        return max((p for p in band if p.depth == depth), key=lambda p: (scores[p][0], -p.num_nodes))
 
     def _measured_goodput(self, m: _Measured, plan: Plan, scores) -> float:
         """A plan's goodput as measured, brought to the batch at hand: its measured/predicted

@@ -197,6 +197,14 @@ class Speculator:
         # otherwise extrapolate its verify cost from its own two or three noisy points.
         sizes = [1 << i for i in range(9) if (1 << i) <= min(max_batch_size, budget)]
         nodes = sorted({0, 1, min(3, max_nodes), max_nodes})
+        # Small batches get every chain length measured: their passes are latency-bound and
+        # the cost of a few more rows is not linear there (cache effects, kernel choice by
+        # shape), the goodput curve over depth is flat near its top, and an interpolated point
+        # a few percent off moves the plan. Larger batches keep the coarse grid (each of their
+        # points costs more start-up time, and their curve is steeper).
+        fine_batch = 8
+        fine_nodes = sorted(set(nodes) | set(range(min(self.controller.max_depth, max_nodes) + 1)))
+        max_depth = self.controller.max_depth
         measure_draft = (lambda b: run(engine.draft, b, 1)) if self.drafter.has_kv else (lambda b: 1e-5)
         measure_total = draft_levels if self.drafter.has_kv else None
 
@@ -216,11 +224,12 @@ class Speculator:
             return verify, draft
 
         for b in sizes:  # one size at a time, so each keeps only the node counts that fit the budget
+            fine = b <= fine_batch
             self.controller.calibrate(
                 lambda b, num_tokens: run(engine.target, b, num_tokens // b), measure_draft,
-                batch_sizes=[b], nodes_per_seq=[n for n in nodes if b * (n + 1) <= budget],
+                batch_sizes=[b], nodes_per_seq=[n for n in (fine_nodes if fine else nodes) if b * (n + 1) <= budget],
                 measure_draft_total=measure_total if 2 * b <= budget else None,
-                draft_depths=(1, 3, self.controller.max_depth),
+                draft_depths=range(1, max_depth + 1) if fine else (1, 3, max_depth),
                 measure_context=context_slopes, reference_context=context,
             )
 

@@ -274,3 +274,33 @@ def test_sweep_against_running_servers_writes_table_and_plots(tmp_path):
         assert order == [(first[0], "1"), (first[1], "1"), (first[1], "2"), (first[0], "2")]
         cell = json.loads((tmp_path / "inter" / f"round{r}" / "none_c1.json").read_text())
         assert cell["config"]["seed"] == r
+
+
+def test_sweep_report_pools_rounds_and_checks_the_criteria():
+    """Three rounds per cell: throughput is all tokens over all time (not the median round's),
+    latencies come from the median round, and the issue-6 checks read the pooled figures."""
+    from benchmarks import sweep_report
+
+    def run(label, conc, tokens, seconds, ttft):
+        return {"config": {"label": label, "max_concurrency": conc},
+                "metrics": {"output_throughput": tokens / seconds, "total_output_tokens": tokens,
+                            "duration_s": seconds, "ttft_s": {"median": ttft}},
+                "depth_series": [[0.0, 4], [1.0, 6]] if label == "adaptive" else []}
+
+    cells = {
+        # none: 100 tok/s each round; static1: rounds of 300, 100, 100 tok/s (median 100; pooled
+        # 600 tokens in 4 s = 150, the last round being 2 s long); adaptive 150 tok/s each round.
+        ("none", 1): [run("none", 1, 100, 1.0, 0.1)] * 3,
+        ("static1", 1): [run("static1", 1, 300, 1.0, 0.3), run("static1", 1, 100, 1.0, 0.2),
+                         run("static1", 1, 200, 2.0, 0.1)],
+        ("adaptive", 1): [run("adaptive", 1, 150, 1.0, 0.1)] * 3,
+    }
+    text, rows = sweep_report.report(cells)
+    by = {r["config"]["label"]: r for r in rows}
+    assert by["static1"]["metrics"]["output_throughput"] == pytest.approx(600 / 4.0)
+    assert by["static1"]["metrics"]["output_throughput_median_round"] == pytest.approx(100.0)
+    assert by["static1"]["metrics"]["ttft_s"]["median"] in (0.2, 0.1)   # a median-throughput round's own
+    assert by["static1"]["metrics"]["pooled_rounds"] == 3
+    assert "| 1 | static1 (150) | 1.000 | 1.500 | 5.0 |" in text
+    assert "at every concurrency: **yes**" in text
+    assert "adaptive / no speculation = **1.500**" in text
