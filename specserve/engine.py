@@ -16,6 +16,7 @@ import torch
 
 from specserve import config as config_mod
 from specserve.config import EngineConfig
+from specserve.cpu_malloc import keep_large_allocations_on_heap
 from specserve.detokenizer import IncrementalDetokenizer
 from specserve.errors import InvalidRequestError, ModelLoadError
 from specserve.kv_pool import KVPool, blocks_needed
@@ -75,6 +76,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True):
         self.config = config
         self.device = _resolve_device(config.device)
+        if self.device.type == "cpu" and config.cpu_heap_malloc:
+            # Before anything big is allocated: see cpu_malloc.py (a fresh process's forwards
+            # were up to 5x slower until its allocation history raised glibc's thresholds).
+            keep_large_allocations_on_heap()
         if config.cpu_threads:
             # A serving box that also runs its own client (or other work) is better off with
             # fewer intra-op threads than cores: a parallel region waits for its slowest thread.

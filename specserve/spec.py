@@ -152,10 +152,17 @@ class Speculator:
         if context < 1:
             return
 
+        num_blocks = engine.pool.num_blocks
+
         def batch(batch_size: int, rows_per_seq: int, ctx: int = context) -> ForwardInput:
-            blocks = list(range(-(-(ctx + rows_per_seq) // block_size)))
+            # Each dummy sequence on blocks of its own (wrapping round the pool only when it is
+            # too small), as real sequences are: attention gathering 64 sequences' context from
+            # the same few blocks reads them from the caches and costs less per token than the
+            # engine's passes ever do.
+            per_seq = -(-(ctx + rows_per_seq) // block_size)
             inp = ForwardInput()
-            for _ in range(batch_size):
+            for i in range(batch_size):
+                blocks = [(i * per_seq + j) % num_blocks for j in range(per_seq)]
                 inp.add([0] * rows_per_seq, list(range(ctx, ctx + rows_per_seq)),
                         slots_for(blocks, block_size, ctx, rows_per_seq), blocks,
                         ctx + rows_per_seq, logit_rows=list(range(rows_per_seq)))
@@ -217,11 +224,28 @@ class Speculator:
             if long_context <= context:
                 return 0.0, 0.0
             span = b * (long_context - context)
-            verify = (run(engine.target, b, 1, long_context) - run(engine.target, b, 1)) / span
-            draft = 0.0
-            if self.drafter.has_kv:
-                draft = (run(engine.draft, b, 1, long_context) - run(engine.draft, b, 1)) / span
-            return verify, draft
+            verify = paired_difference(engine.target, b) / span
+            draft = paired_difference(engine.draft, b) / span if self.drafter.has_kv else 0.0
+            return max(0.0, verify), max(0.0, draft)
+
+        def paired_difference(runner, b: int, pairs: int = 5) -> float:
+            """Seconds a one-row pass at long_context takes over one at context: the median of
+            `pairs` differences of back-to-back passes. At high load this slope prices most of
+            a pass, so it must not be taken from two separate minima: on a shared machine a
+            slow spell over one of them made it 3x too steep (the sixth session's logs: the
+            context term alone then predicted more than a whole measured pass, and every
+            verify row was read as nearly free, deep plans with it)."""
+            short, long = batch(b, 1), batch(b, 1, long_context)
+            runner.forward(short)[-1, 0].item()   # warm-up
+            runner.forward(long)[-1, 0].item()
+            diffs = []
+            for _ in range(pairs):
+                start = time.perf_counter()
+                runner.forward(short)[-1, 0].item()
+                mid = time.perf_counter()
+                runner.forward(long)[-1, 0].item()
+                diffs.append((time.perf_counter() - mid) - (mid - start))
+            return sorted(diffs)[len(diffs) // 2]
 
         for b in sizes:  # one size at a time, so each keeps only the node counts that fit the budget
             fine = b <= fine_batch
