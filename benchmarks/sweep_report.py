@@ -59,16 +59,22 @@ def report(cells: dict) -> tuple[str, list[dict]]:
     for s in settings:
         lines.append(f"| {s} | " + " | ".join(f"{tput.get((s, c), float('nan')):.0f}" for c in concs) + " |")
     statics = [s for s in settings if s.startswith("static")]
-    checks = ["", "| concurrency | best static | adaptive / best static | adaptive / none | adaptive depth (mean over run) |",
-              "|---|---|---|---|---|"]
+    checks = ["", "| concurrency | best static | adaptive / best static | same, per round (min-max) "
+              "| adaptive / none | adaptive depth (mean over run) |",
+              "|---|---|---|---|---|---|"]
     ok_every = True
     for c in concs:
         best = max(statics, key=lambda s: tput.get((s, c), 0.0))
         ratio = tput[("adaptive", c)] / tput[(best, c)]
         ok_every &= ratio >= 0.97
-        series = medians[("adaptive", c)].get("depth_series") or []
-        depth = statistics.mean(d for _, d in series) if series else float("nan")
+        # Round i of every setting ran in the same stretch of time: the spread of the per-round
+        # ratios shows how far the machine's noise reaches into the pooled one.
+        per_round = [a["metrics"]["output_throughput"] / b["metrics"]["output_throughput"]
+                     for a, b in zip(cells[("adaptive", c)], cells[(best, c)])]
+        series = [d for r in cells[("adaptive", c)] for _, d in (r.get("depth_series") or [])]
+        depth = statistics.mean(series) if series else float("nan")
         checks.append(f"| {c} | {best} ({tput[(best, c)]:.0f}) | {ratio:.3f} | "
+                      f"{min(per_round):.2f}-{max(per_round):.2f} | "
                       f"{tput[('adaptive', c)] / tput[('none', c)]:.3f} | {depth:.1f} |")
     dominated = [s for s in statics if all(tput[(s, c)] >= 0.97 * tput[("adaptive", c)] for c in concs)]
     top = concs[-1]

@@ -52,12 +52,16 @@ per-position EMA by its number of observations (a new request uses the global on
 catches the draft up and runs with the caches cold after the target's pass) are measured
 online: batch sizes bucketed in powers of two; inside each batch bucket a verify point per
 rows per sequence (``n + 1``) and a draft point per depth, each an EMA of the time and of
-the exact ``T`` it saw. Queries interpolate piecewise-linearly between measured points
-(whatever their slope: on the CPU a verify of more rows can cost less), extrapolate with
+the exact ``T`` it saw. Queries interpolate piecewise-linearly between measured points,
+made non-decreasing first (isotonic: a point reading cheaper than a smaller pass is averaged
+with it; more rows or more levels never cost less, and such a fall is a stale point or a
+spell that would make the plans past it look cheap), extrapolate with
 the last segment's slope (never negative) beyond the largest, and interpolate in ``log2 B``
 between batch buckets. :meth:`AdaptiveController.calibrate` warm-starts every power-of-two
-batch bucket at start-up from a short measurement (verify passes of 1, 2, 4, 8 rows per
-sequence; draft levels of whole steps at depths 1, 3 and the maximum). The draft's
+batch bucket at start-up from a short measurement (spec.py: up to 8 sequences every chain
+length and every draft depth, where a curve near its flat top decides between plans a few
+percent apart; above that verify passes of 1, 2, 4 and max + 1 rows per sequence and draft
+levels at depths 1, 3 and the maximum). The draft's
 calibrated points only stand in until the engine runs that depth: its dummy sequences need
 no catch-up and find the caches warm, so the real first level costs up to 2-3x more.
 
@@ -69,7 +73,12 @@ be lopsided (plain decode measured at today's contexts against a verify cost fro
 speculation looks cheap exactly when it is not). So each row (one batch bucket) also keeps
 a *level*: an EMA (``level_alpha``) of measured time over the point's reference (its first,
 or calibrated, measurement at level 1); a point is read as its own latest EMA scaled by how
-far the level moved since that EMA was last updated.
+far the level moved since that EMA was last updated. Points follow their measurements more
+slowly (``cost_alpha`` 0.03) than the level does (``level_alpha`` 0.1): a slow spell of the
+machine is then taken up by the level, which later steps bring back, rather than by the point
+of whichever plan ran during it (with points quicker than the level, that point read 1.2x its
+cost a hundred steps later, and the controller leaves exactly the plans it measured during
+spells, so nothing measured them again).
 **Context.** Attention reads every cached token of a sequence for each of its rows, so a pass
 also costs in proportion to the batch's context ``C`` (its tokens in the KV cache, summed) and
 that share does not grow with the rows verified; at 64 sequences of a few hundred tokens on
@@ -80,7 +89,9 @@ count alike and make speculation look dearer exactly when contexts are long. So 
     t_draft(B, d, C)  = draft_B(d) + d * c'_B * (C - B * C_ref)
 
 with ``c_B``, ``c'_B`` (seconds per context token of a verify pass and of one draft level)
-measured at start-up from one-row passes at two contexts, ``C_ref`` the calibration's context
+measured at start-up (the median difference of five back-to-back one-row passes at two
+contexts: at high load this term prices most of a pass, and one slow spell over a separately
+timed minimum made it 3x too steep), ``C_ref`` the calibration's context
 per sequence, and the rows and their level holding costs brought to ``C_ref`` (each
 measurement has the context term taken off before it updates them). The engine passes ``C``
 with every plan and every step.
@@ -115,8 +126,9 @@ deep positions), so the argmax wanders over the flat top, and a rule that takes 
 it lands where the curve starts to fall: the shallowest plan within a margin of the top (this
 controller's rule until the sixth session) ran depth 3 at one request where depths 5-7 were
 best, and depth 2 at 64 requests where 3-5 were. The plan aimed at is the middle of the band
-instead: the band holds every plan predicted within ``band_margin`` of the top, its median
-depth (the lower of two) is taken, and at that depth the plan predicted best. Errors smaller
+instead: the band is the run of depths around the top's whose best plans are predicted
+within ``band_margin`` of it, its middle depth (the shallower of two) is taken, and at that
+depth the plan predicted best. Errors smaller
 than the margin then cannot move the plan off the flat top, whichever side they push.
 
 **Guard.** The cost model can be wrong by more than the margins between plans (on the dev
@@ -246,8 +258,7 @@ class _EmaPoint:
 
 
 def _interp_points(points: list[_EmaPoint], x: float, xs: list[float] | None = None) -> float:
-    """Piecewise-linear through points sorted by x (between two measured points whatever
-    they say: on the CPU more rows can cost less); linear extrapolation with the end
+    """Piecewise-linear through points sorted by x; linear extrapolation with the end
     segments' slopes (never negative); one point: half fixed, half proportional to x.
     xs: the points' x, when the caller has them."""
     if len(points) == 1:
@@ -268,6 +279,27 @@ def _interp_points(points: list[_EmaPoint], x: float, xs: list[float] | None = N
         slope = max(0.0, slope)
     t = lo.t + slope * (x - lo.x)
     return max(t, 0.1 * points[0].t)
+
+
+def _pool_adjacent_violators(points: list[_EmaPoint]) -> None:
+    """Make the points' t non-decreasing in x, in place, by averaging each run that falls
+    (isotonic regression, weights equal). A pass over more rows or more draft levels does more
+    work; where a point reads cheaper than the one before it, one of them is stale or caught a
+    slow spell, and the fall would make the plan past it look cheaper than it is (at 64
+    sequences the sixth session's logs had 8 rows read 8% cheaper than 7, and the controller
+    run depth 6-8 where 3 was best)."""
+    blocks: list[list[float]] = []   # [sum of t, count] per pooled run
+    for p in points:
+        blocks.append([p.t, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            t, n = blocks.pop()
+            blocks[-1][0] += t
+            blocks[-1][1] += n
+    i = 0
+    for total, n in blocks:
+        for p in points[i:i + n]:
+            p.t = total / n
+        i += n
 
 
 class _Row:
@@ -297,6 +329,7 @@ class _Row:
             p = self.points[k]
             q = _EmaPoint(p.x, p.t * self.level / p.level)
             out.append(q)
+        _pool_adjacent_violators(out)
         self._current = out
         self._xs = [q.x for q in out]
         return out
@@ -931,14 +964,25 @@ class AdaptiveController:
         return cur
 
     def _middle_of_band(self, scores: dict[Plan, tuple[float, float]], top: float) -> Plan:
-        """The plan aimed at: the band is every plan predicted within band_margin of the top;
-        its depth is the band's median depth (the lower one of two), and at that depth the
-        plan predicted best. See "The middle of the band" in the module docstring."""
+        """The plan aimed at: the middle depth (the shallower of two) of the band, the run of
+        depths around the top's whose best plans are predicted within band_margin of it; at
+        that depth the plan predicted best. See "The middle of the band" in the module
+        docstring."""
         floor = top * (1.0 - self.band_margin)
-        band = [p for p, (g, _) in scores.items() if g >= floor]
-        depths = sorted({p.depth for p in band})
-        depth = depths[(len(depths) - 1) // 2]
-        return max((p for p in band if p.depth == depth), key=lambda p: (scores[p][0], -p.num_nodes))
+        best_at: dict[int, float] = {}   # depth -> its best plan's predicted goodput
+        for p, (g, _) in scores.items():
+            best_at[p.depth] = max(g, best_at.get(p.depth, 0.0))
+        # The band is the run of depths around the top's whose best plans stay within the
+        # margin: a far depth that pokes into it past a dip is a bump of the estimates (a
+        # stale cost), not part of a flat top.
+        lo = hi = max(best_at, key=best_at.get)
+        while lo - 1 in best_at and best_at[lo - 1] >= floor:
+            lo -= 1
+        while hi + 1 in best_at and best_at[hi + 1] >= floor:
+            hi += 1
+        depth = lo + (hi - lo) // 2
+        band = [p for p, (g, _) in scores.items() if p.depth == depth and g >= floor]
+        return max(band, key=lambda p: (scores[p][0], -p.num_nodes))
 
     def _measured_goodput(self, m: _Measured, plan: Plan, scores) -> float:
         """A plan's goodput as measured, brought to the batch at hand: its measured/predicted

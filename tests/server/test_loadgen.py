@@ -301,6 +301,7 @@ def test_sweep_report_pools_rounds_and_checks_the_criteria():
     assert by["static1"]["metrics"]["output_throughput_median_round"] == pytest.approx(100.0)
     assert by["static1"]["metrics"]["ttft_s"]["median"] in (0.2, 0.1)   # a median-throughput round's own
     assert by["static1"]["metrics"]["pooled_rounds"] == 3
-    assert "| 1 | static1 (150) | 1.000 | 1.500 | 5.0 |" in text
+    # Per round adaptive / static1: 150/300, 150/100, 150/100.
+    assert "| 1 | static1 (150) | 1.000 | 0.50-1.50 | 1.500 | 5.0 |" in text
     assert "at every concurrency: **yes**" in text
     assert "adaptive / no speculation = **1.500**" in text
