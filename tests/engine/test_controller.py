@@ -167,18 +167,23 @@ def test_unused_buckets_follow_the_level_of_the_used_one():
 
 
 def test_calibrated_draft_costs_stand_in_until_the_engine_runs_that_depth():
-    # Calibration's draft levels run caught up and cache-warm: the engine's depth-1 steps cost
-    # 2.5x the calibrated figure (catch-up, cold caches). That must not scale depth 3, which
-    # the calibration measured right; once depth 3 runs, its own measurement takes over.
+    # Calibration's draft levels are bare forwards: in a loaded server the engine's levels
+    # cost 2x the calibrated figures at every depth. The first real depth-1 step replaces its
+    # stand-in outright (not as a level move) and teaches the ratio, which the depths not yet
+    # run are read with; once depth 3 runs, its own measurement takes over.
     cm = CostModel()
-    cm.observe_draft_total(16, 1, 0.002, track_level=False)
-    cm.observe_draft_total(16, 3, 0.006, track_level=False)
-    for _ in range(100):
-        cm.observe_draft_total(16, 1, 0.005)
-    assert cm.t_draft_total(16, 1) == pytest.approx(0.005)
+    for d in (1, 3, 8):
+        cm.observe_draft_total(16, d, 0.002 * d, track_level=False)
     assert cm.t_draft_total(16, 3) == pytest.approx(0.006)
-    cm.observe_draft_total(16, 3, 0.008)
-    assert cm.t_draft_total(16, 3) == pytest.approx(0.008)
+    for _ in range(100):
+        cm.observe_draft_total(16, 1, 0.004)
+    assert cm.t_draft_total(16, 1) == pytest.approx(0.004)
+    assert cm.t_draft_total(16, 3) == pytest.approx(0.012)
+    assert cm.t_draft_total(16, 8) == pytest.approx(0.032)
+    cm.observe_draft_total(16, 3, 0.009)
+    assert cm.t_draft_total(16, 3) == pytest.approx(0.009)
+    # Two replaced (2x, 1.5x): the last stand-in reads their mean ratio.
+    assert cm.t_draft_total(16, 8) == pytest.approx(0.016 * 1.75)
 
 
 def test_verify_points_are_kept_per_rows_per_sequence():
