@@ -289,7 +289,7 @@ def _pool_adjacent_violators(points: list[_EmaPoint]) -> None:
     work; where a point reads cheaper than the one before it, one of them is stale or caught a
     slow spell, and the fall would make the plan past it look cheaper than it is (at 64
     sequences the sixth session's logs had 8 rows read 8% cheaper than 7, and the controller
-    run depth 6-8 where 3 was best)."""
+    ran depth 6-8 where 3 was best)."""
     blocks: list[list[float]] = []   # [sum of t, count] per pooled run
     for p in points:
         blocks.append([p.t, 1])
