@@ -3,6 +3,7 @@
 import asyncio
 import json
 import math
+import os
 import random
 import statistics
 
@@ -305,3 +306,41 @@ def test_sweep_report_pools_rounds_and_checks_the_criteria():
     assert "| 1 | static1 (150) | 1.000 | 0.50-1.50 | 1.500 | 5.0 |" in text
     assert "at every concurrency: **yes**" in text
     assert "adaptive / no speculation = **1.500**" in text
+
+
+def test_cpu_lists_and_pinning_the_server_and_the_client(tmp_path):
+    """--server-cpus / --client-cpus (and loadgen --cpus): taskset's CPU lists, a clear error
+    for a bad one, and a started server runs every thread on the CPUs it was given."""
+    import subprocess
+    import sys
+
+    from benchmarks import sweep
+
+    assert loadgen.parse_cpus("0") == {0}
+    assert loadgen.parse_cpus("0-2,5") == {0, 1, 2, 5}
+    for bad in ("", "a", "1-x"):
+        with pytest.raises(ValueError, match="CPU list"):
+            loadgen.parse_cpus(bad)
+    cpu = max(os.sched_getaffinity(0))   # one CPU this test may use, not necessarily 0
+    # The server: a stand-in that reports the CPUs of its main thread and of a thread it starts.
+    script = tmp_path / "fake_server.py"
+    script.write_text("import os, sys, threading\n"
+                      "seen = [sorted(os.sched_getaffinity(0))]\n"
+                      "t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))\n"
+                      "t.start(); t.join()\n"
+                      "print(sys.argv[1], seen)\n")
+    proc = sweep.start_server(f"{sys.executable} {script} {{port}} {{overrides}}", "", 1234, "", tmp_path / "log",
+                              cpus=str(cpu))
+    assert proc.wait(30) == 0
+    assert (tmp_path / "log").read_text().strip() == f"1234 [[{cpu}], [{cpu}]]"
+    # The client pins itself (pid 0); here a child stands in for it so this test's process
+    # keeps every CPU.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        loadgen.pin_to_cpus(str(cpu), pid=child.pid)
+        assert os.sched_getaffinity(child.pid) == {cpu}
+        loadgen.pin_to_cpus(None, pid=child.pid)   # no list: left alone
+        assert os.sched_getaffinity(child.pid) == {cpu}
+    finally:
+        child.kill()
+        child.wait()
