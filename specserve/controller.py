@@ -98,8 +98,14 @@ per sequence, and the rows and their level holding costs brought to ``C_ref`` (e
 measurement has the context term taken off before it updates them). The engine passes ``C``
 with every plan and every step.
 ``t_step(B)`` is the rest of an engine step (scheduling, bookkeeping, streaming the tokens
-out): the same for every plan, so it matters only in that deeper plans spread it over more
-tokens; it is an EMA per batch bucket like the draft step.
+out), timed from the end of the step before (engine.py), so that whatever the caller does
+with each step's outputs counts too: in the server, the event loop's SSE event per request per
+step, which on a busy server takes the core (or the interpreter) from the engine. It is the
+same for every plan, so it matters only in that deeper plans spread it over more tokens, and
+at high load that decides: on the dev CPU at 64 requests (server on one core) it made static
+depth 3 17% faster than plain decoding over HTTP, while the engine's own step times, which
+the controller saw until the seventh session, had plain decoding ahead, and adaptive ran
+depth 0.6 at 0.84x the best static depth. It is an EMA per batch bucket like the draft step.
 
 **High load.** Once the verify pass is compute-bound, ``t_verify(B, B(n+1)) ~ (n+1) t_verify(B, B)``
 while ``E < n + 1``, so every ``d > 0`` loses to plain decode and the controller falls to
@@ -190,7 +196,7 @@ class StepStats:
     # first choice at that depth). Optional; without it an accepted alternate is counted as
     # an accepted first choice (acceptance overestimated), so the engine should pass it.
     accepted_ranks: list[list[int]] | None = None
-    overhead_s: float = 0.0         # the rest of the engine step (scheduling, bookkeeping, outputs)
+    overhead_s: float = 0.0         # the rest of the step since the previous one ended (scheduling, outputs, the caller's share)
     # Trees (not chains): [B][nodes] the draft's path probability of each verified node and its
     # depth, for the EAGLE-2 estimate of tokens per pass (see AdaptiveController.evaluate).
     path_probs: list[list[float]] | None = None

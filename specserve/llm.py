@@ -54,6 +54,7 @@ class LLM:
             ids.append(self.engine.add_request(None, prompt, p).request_id)
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not progress)
+        self.engine.idle()   # the time since the last call is not the first step's cost
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:

@@ -297,7 +297,8 @@ class Speculator:
         self._step_measured_s = draft_s + verify_s
 
     def end_step(self, step_s: float) -> None:
-        """The engine step is over (outputs built): hand the controller what it measured."""
+        """The engine step is over (outputs built): hand the controller what it measured.
+        step_s: what the step cost, from the end of the step before (see LLMEngine.step)."""
         stats, self._step_stats = self._step_stats, None
         if stats is None:
             return

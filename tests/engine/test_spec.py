@@ -456,3 +456,37 @@ def test_draft_with_too_small_a_vocabulary_is_refused(models, tmp_path):
                             vocab_size=300)
     with pytest.raises(ModelLoadError, match="vocab_size 300"):
         LLM(target=str(models["target"]), draft=str(draft), dtype="float64", progress=False, num_blocks=16)
+
+
+def test_a_step_costs_from_the_end_of_the_one_before(models):
+    """What the caller does between steps (the server's event loop writing an SSE event per
+    request per step) is part of each step's cost, unless the engine idled in between: the
+    controller's step overhead counts the gap, and not a wait after idle()."""
+    import time
+
+    llm = make_llm(models, "weak", spec_mode="adaptive")
+    engine, seen = llm.engine, []
+    observe = engine.spec.controller.observe
+
+    def record(stats):
+        if stats.verify_s > 0:   # a decode step (prefill steps book no costs)
+            seen.append(stats.overhead_s)
+        observe(stats)
+    engine.spec.controller.observe = record
+    for p in PROMPTS:
+        engine.add_request(None, p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    while not seen:   # through the prefills
+        engine.step()
+    engine.step()
+    time.sleep(0.2)   # the caller busy with the outputs
+    engine.step()
+    engine.step()
+    engine.idle()
+    time.sleep(0.2)   # the caller waiting for work
+    engine.step()
+    busy, idle = seen[-3], seen[-1]
+    assert busy >= 0.2
+    assert idle < 0.1
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.pool.check_all_free()
