@@ -310,6 +310,12 @@ def _pool_adjacent_violators(points: list[_EmaPoint]) -> None:
         i += n
 
 
+# How far one comparison with a neighbouring point (a measurement right after the row measured
+# another point) moves a point's reference: explorations come one step in 16, so each counts,
+# but one taken just as a slow spell ends is off by the spell.
+_CROSS_ALPHA = 0.1
+
+
 class _Row:
     """t_verify of one batch bucket: a point per token bucket, and the row's level.
 
@@ -319,7 +325,7 @@ class _Row:
     reference being its first few measurements brought to level 1 (kept fixed after that, so
     that a lasting change of the costs is all taken up by the level, which every point reads)."""
 
-    __slots__ = ("points", "level", "key", "_current", "_xs", "standin_ratio", "_standins_replaced")
+    __slots__ = ("points", "level", "key", "_current", "_xs", "standin_ratio", "_standins_replaced", "_last_key")
 
     def __init__(self, key: Callable[[int], int] = None):
         self.points: dict[int, _EmaPoint] = {}
@@ -336,6 +342,7 @@ class _Row:
         # HTTP: depth 8's stand-in read 6.9 ms beside 14.8 ms measured for depth 7).
         self.standin_ratio = 1.0
         self._standins_replaced = 0
+        self._last_key: int | None = None   # the point the last online measurement updated
 
     def current(self) -> list[_EmaPoint]:
         """The points at today's level, sorted by token count (copies; do not modify)."""
@@ -344,8 +351,10 @@ class _Row:
         out = []
         for k in sorted(self.points):
             p = self.points[k]
-            standin = self.standin_ratio if p.ref_count == 0 else 1.0
-            out.append(_EmaPoint(p.x, p.t * self.level / p.level * standin))
+            if p.ref_count == 0:   # a stand-in: as calibrated, moved with the level since
+                out.append(_EmaPoint(p.x, p.t * self.level / p.level * self.standin_ratio))
+            else:                  # measured: its place in the row's shape, at today's level
+                out.append(_EmaPoint(p.x, p.ref * self.level))
         _pool_adjacent_violators(out)
         self._current = out
         self._xs = [q.x for q in out]
@@ -378,8 +387,16 @@ class _Row:
             p.x, p.t, p.count = float(num_tokens), float(seconds), 1
             p.ref, p.ref_count, p.level = seconds / self.level, 1, self.level
             return
+        # A measurement right after the row measured another point compares this point with
+        # that one at one moment: the level then stands for the other point's cost, and this
+        # one's cost over it is what its reference should be (see below). The run of steps
+        # at one plan only moves the level.
+        switched = level_alpha > 0 and self._last_key is not None and self._last_key != tb
+        if level_alpha > 0:
+            self._last_key = tb
+        cross = seconds / self.level
         reference = self._reference()   # measured points only: stand-ins are not part of the shape
-        if level_alpha > 0 and len(reference) > (0 if p is None else 1):
+        if level_alpha > 0 and reference:
             # Measured against the row's reference shape at today's level; one stall moves
             # the level by level_alpha of 2x at most.
             predicted = self.level * (p.ref if p is not None else _interp_points(reference, num_tokens))
@@ -397,6 +414,15 @@ class _Row:
             elif p.ref_count < 4:   # the reference is the mean of the first few, not one noisy sample
                 p.ref_count += 1
                 p.ref += (seconds / self.level - p.ref) / p.ref_count
+            elif switched:
+                # Then it follows such comparisons (winsorised like the points). Frozen after
+                # the first few, a reference kept whatever mismatch the level had when the point
+                # was first measured (the level then stood for another point measured on another
+                # scale: the idle calibration, or a load since gone), and in steady state points
+                # compare by their references: at 32 sequences (seventh session) 3 rows read
+                # 1.5x dearer than 4 for good, depth 2 became a dip, and adaptive sat at depth 1.
+                target = min(max(cross, 0.5 * p.ref), 2.0 * p.ref)
+                p.ref += _CROSS_ALPHA * (target - p.ref)
             p.update(num_tokens, seconds, alpha)
         p.level = self.level
 

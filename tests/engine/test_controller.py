@@ -733,3 +733,25 @@ def test_a_slow_spell_does_not_leave_the_plan_it_hit_looking_dear():
         cm.observe_verify(1, 4, cost(4))
     assert cm.t_verify(1, 8) == pytest.approx(cost(8), rel=0.08)
     assert cm.t_verify(1, 4) == pytest.approx(cost(4), rel=0.02)
+
+
+def test_a_point_first_measured_on_another_scale_is_brought_into_line_by_its_neighbours():
+    # The calibration (idle, bare forwards) has rows 1, 2, 4 and 9; in the loaded server every
+    # pass costs 1.5x that. The engine first runs 5 rows, a point of its own, with the level
+    # still at the calibration's 1.0: its reference takes the 1.5x in, and the level stays
+    # put, so 4 rows read as cheap as idle beside it. Then 4 rows run, with 5 rows explored
+    # one step in 16: each such step compares 5 rows with 4 at one moment, and the reading of
+    # 5 rows over 4 must come back to the true ratio (with the reference frozen after its
+    # first few samples it stayed 1.4x off, the seventh session's trap at 32 sequences).
+    cost = lambda rows: 0.008 + 0.004 * rows  # noqa: E731
+    cm = CostModel()
+    for rows in (1, 2, 4, 9):
+        cm.observe_verify(32, 32 * rows, cost(rows), track_level=False)
+    for _ in range(20):
+        cm.observe_verify(32, 32 * 5, 1.5 * cost(5))
+    for step in range(1, 641):
+        rows = 5 if step % 16 == 0 else 4
+        cm.observe_verify(32, 32 * rows, 1.5 * cost(rows))
+    ratio = cm.t_verify(32, 32 * 5) / cm.t_verify(32, 32 * 4)
+    assert ratio == pytest.approx(cost(5) / cost(4), rel=0.05)
+    assert cm.t_verify(32, 32 * 4) == pytest.approx(1.5 * cost(4), rel=0.03)
