@@ -72,15 +72,23 @@ The shape of a batch bucket's curve (how much a pass of ``2B`` tokens costs more
 grow far beyond the calibration's, the machine gets busier. The plan in use refreshes only its
 own bucket, so the buckets it does not use would keep their old level and the comparison would
 be lopsided (plain decode measured at today's contexts against a verify cost from start-up:
-speculation looks cheap exactly when it is not). So each row (one batch bucket) also keeps
-a *level*: an EMA (``level_alpha``) of measured time over the point's reference (its first,
-or calibrated, measurement at level 1); a point is read as its own latest EMA scaled by how
-far the level moved since that EMA was last updated. Points follow their measurements more
-slowly (``cost_alpha`` 0.03) than the level does (``level_alpha`` 0.1): a slow spell of the
-machine is then taken up by the level, which later steps bring back, rather than by the point
-of whichever plan ran during it (with points quicker than the level, that point read 1.2x its
-cost a hundred steps later, and the controller leaves exactly the plans it measured during
-spells, so nothing measured them again).
+speculation looks cheap exactly when it is not). So each row (one batch bucket) is a *shape*
+times a *level*: each measured point has a reference (its place in the shape) and is read as
+reference x level; the level is an EMA (``level_alpha`` 0.1, winsorised) of measured time over
+the measured point's reference, moved by every step. A run of steps at one plan moves only
+the level, so a slow spell is taken up by the level, which later steps bring back, and not by
+the point of whichever plan ran during it (the sixth session's logs: a point that followed its
+measurements read 1.2x its cost a hundred steps after a spell, and the controller leaves exactly
+the plans it measured during spells, so nothing measured them again). A reference starts as
+the mean of the point's first few measurements over the level, and then follows
+*comparisons*: a measurement right after the row measured another point (an exploration, a
+switch) moves it by 0.1 toward seconds / level, the level then standing for the other point at
+that moment. Frozen after its first few samples (until the seventh session), a reference kept
+whatever mismatch the level had then, standing for a point measured on another scale (the idle
+calibration, or a load since gone), and in steady state points compare by their references:
+at 16 and 32 sequences 3 and 5 verify rows and 4 draft levels read 1.5x dearer than their
+neighbours for good, the predicted goodput dipped at depths 2-4, the band was depth 1 alone,
+and adaptive sat at depth 1-2 where 3-4 were best.
 **Context.** Attention reads every cached token of a sequence for each of its rows, so a pass
 also costs in proportion to the batch's context ``C`` (its tokens in the KV cache, summed) and
 that share does not grow with the rows verified; at 64 sequences of a few hundred tokens on
@@ -317,13 +325,16 @@ _CROSS_ALPHA = 0.1
 
 
 class _Row:
-    """t_verify of one batch bucket: a point per token bucket, and the row's level.
+    """t_verify (or draft time by depth) of one batch bucket: a point per rows per sequence
+    (per depth), and the row's level.
 
-    Each point keeps its own EMA ``t`` and the row level current when it was last measured;
-    a point is read as ``t * level / its level``: its latest measurement, moved by whatever
-    the whole row has drifted since. The level is an EMA of measured / reference, a point's
-    reference being its first few measurements brought to level 1 (kept fixed after that, so
-    that a lasting change of the costs is all taken up by the level, which every point reads)."""
+    A measured point is read as ``ref * level``: its reference (the shape) at today's level.
+    The level is an EMA of measured / reference over every step; a reference is the mean of
+    its point's first few measurements over the level, then moves only on steps that follow a
+    measurement of another point (a comparison of the two at one moment). A stand-in (a
+    calibration that does not run the way the engine does) is read as its value moved with
+    the level since, times ``standin_ratio``, until the first real measurement replaces it.
+    Each point also keeps an EMA ``t`` of its measurements (reported, and the stand-ins' value)."""
 
     __slots__ = ("points", "level", "key", "_current", "_xs", "standin_ratio", "_standins_replaced", "_last_key")
 
@@ -576,10 +587,11 @@ class CostModel:
     def snapshot(self) -> dict:
         return {
             "draft_s_per_step": {b: p.t for b, p in sorted(self._draft.items())},
-            "draft_total_s": {b: {d: (p.x, p.t * row.level / p.level) for d, p in sorted(row.points.items())}
+            # What plans read (the rows' current(): shape x level, stand-ins scaled, non-decreasing).
+            "draft_total_s": {b: {d: (q.x, q.t) for d, q in zip(sorted(row.points), row.current())}
                               for b, row in sorted(self._draft_rows.items())},
             "step_overhead_s": {b: p.t for b, p in sorted(self._overhead.items())},
-            "verify_s": {b: {tb: (p.x, p.t * row.level / p.level) for tb, p in sorted(row.points.items())}
+            "verify_s": {b: {tb: (q.x, q.t) for tb, q in zip(sorted(row.points), row.current())}
                          for b, row in sorted(self._verify.items())},
             "verify_level": {b: row.level for b, row in sorted(self._verify.items())},
             "verify_s_per_context_token": dict(sorted(self._ctx_verify.items())),
