@@ -334,7 +334,8 @@ class _Row:
     measurement of another point (a comparison of the two at one moment). A stand-in (a
     calibration that does not run the way the engine does) is read as its value moved with
     the level since, times ``standin_ratio``, until the first real measurement replaces it.
-    Each point also keeps an EMA ``t`` of its measurements (reported, and the stand-ins' value)."""
+    Each point also keeps an EMA ``t`` of its measurements and ``x`` of its token counts; ``t``
+    is what a stand-in reads, and a measured point's ``t`` is no longer read."""
 
     __slots__ = ("points", "level", "key", "_current", "_xs", "standin_ratio", "_standins_replaced", "_last_key")
 
