@@ -420,7 +420,6 @@ class _Row:
             p.ref = seconds / self.level
             p.ref_count = 4 if is_reference else 1
         else:
-            p.t = p.t * self.level / p.level   # bring it to today's level before averaging
             if is_reference:
                 p.ref, p.ref_count = seconds / self.level, 4
             elif p.ref_count < 4:   # the reference is the mean of the first few, not one noisy sample
