@@ -391,14 +391,19 @@ class _Row:
                 p.ref, p.ref_count, p.level = seconds / self.level, 0, self.level
             return
         if p is not None and p.ref_count == 0:   # the first real measurement of a stand-in
-            standin = p.t * self.level / p.level
-            if standin > 0:
-                self._standins_replaced += 1
-                ratio = min(max(seconds / standin, 0.25), 4.0)
-                self.standin_ratio += (ratio - self.standin_ratio) / self._standins_replaced
+            self._learn_standin_ratio(seconds, p.t * self.level / p.level)
             p.x, p.t, p.count = float(num_tokens), float(seconds), 1
             p.ref, p.ref_count, p.level = seconds / self.level, 1, self.level
             return
+        if p is None and not is_reference:
+            # A depth the engine runs for the first time between stand-ins (the calibration
+            # measured depths 1, 3 and 8; the engine first runs 4): compared with the stand-ins
+            # around it, it teaches their ratio as a replaced stand-in does. Read unscaled
+            # beside a measurement, they made depths 1-3 look half as dear as 4 at 64 sequences
+            # (eighth session), and the plan fell to depth 1-2.
+            standins = self._standins()
+            if len(standins) >= 2 and standins[0].x <= num_tokens <= standins[-1].x:
+                self._learn_standin_ratio(seconds, _interp_points(standins, num_tokens))
         # A measurement right after the row measured another point compares this point with
         # that one at one moment: the level then stands for the other point's cost, and this
         # one's cost over it is what its reference should be (see below). The run of steps
@@ -417,8 +422,18 @@ class _Row:
                 self.level *= 1.0 + level_alpha * (ratio - 1.0)
         if p is None:
             p = self.points[tb] = _EmaPoint(num_tokens, seconds)
-            p.ref = seconds / self.level
-            p.ref_count = 4 if is_reference else 1
+            if (level_alpha > 0 and not is_reference and len(reference) >= 2
+                    and reference[0].x <= num_tokens <= reference[-1].x):
+                # A new point between measured ones takes its place in the shape from them:
+                # the curve is smooth in the rows, and its first measurements over the level
+                # would take in whatever the level lags behind (a bucket's first steps under
+                # load, on the idle calibration's scale: at 64 sequences 3 rows, measured
+                # first, read 1.8x the calibrated 2 and 4 around it, and the plan fell to
+                # depth 1). The measurement moves the level; comparisons refine the place.
+                p.ref, p.ref_count = _interp_points(reference, num_tokens), 4
+            else:
+                p.ref = seconds / self.level
+                p.ref_count = 4 if is_reference else 1
         else:
             if is_reference:
                 p.ref, p.ref_count = seconds / self.level, 4
@@ -439,6 +454,19 @@ class _Row:
 
     def _reference(self) -> list[_EmaPoint]:
         return [_EmaPoint(p.x, p.ref) for _, p in sorted(self.points.items()) if p.ref_count > 0]
+
+    def _standins(self) -> list[_EmaPoint]:
+        """The stand-ins as calibrated, moved with the level since (not yet scaled)."""
+        return [_EmaPoint(p.x, p.t * self.level / p.level) for _, p in sorted(self.points.items())
+                if p.ref_count == 0]
+
+    def _learn_standin_ratio(self, seconds: float, standin: float) -> None:
+        """One real measurement against the stand-in value at the same place: the running mean
+        of such ratios is what stand-ins not yet replaced are read times."""
+        if standin > 0:
+            self._standins_replaced += 1
+            ratio = min(max(seconds / standin, 0.25), 4.0)
+            self.standin_ratio += (ratio - self.standin_ratio) / self._standins_replaced
 
 
 class CostModel:

@@ -755,3 +755,36 @@ def test_a_point_first_measured_on_another_scale_is_brought_into_line_by_its_nei
     ratio = cm.t_verify(32, 32 * 5) / cm.t_verify(32, 32 * 4)
     assert ratio == pytest.approx(cost(5) / cost(4), rel=0.05)
     assert cm.t_verify(32, 32 * 4) == pytest.approx(1.5 * cost(4), rel=0.03)
+
+
+def test_a_new_point_between_measured_ones_takes_its_place_in_the_shape_from_them():
+    # Calibrated idle at rows 1, 2, 4 and 9; the loaded server costs 1.8x. The engine's first
+    # steps in this bucket run 3 rows (a point of its own) with the level still at 1.0. Its
+    # reading must sit between 2 and 4 rows at once, and every row count at the new level
+    # within a few steps: taking the 1.8x into its reference made 3 rows read ~1.8x the
+    # calibrated 2 and 4 around it, a dip in the predicted goodput at depth 2, and the plan
+    # fell to depth 1 (eighth session, 64 sequences).
+    cost = lambda rows: 0.008 + 0.004 * rows  # noqa: E731
+    cm = CostModel()
+    for rows in (1, 2, 4, 9):
+        cm.observe_verify(64, 64 * rows, cost(rows), track_level=False)
+    for _ in range(30):
+        cm.observe_verify(64, 64 * 3, 1.8 * cost(3))
+    for rows in (1, 2, 3, 4, 9):
+        assert cm.t_verify(64, 64 * rows) == pytest.approx(1.8 * cost(rows), rel=0.03)
+
+
+def test_a_depth_first_run_between_stand_ins_teaches_their_ratio():
+    # Stand-ins at depths 1, 3 and 8 (the calibration's bare forwards); in the server the
+    # engine's levels cost 2.4x them. The first depth the engine runs is 4, which replaces no
+    # stand-in: compared with the stand-in curve at 4, it must still teach the ratio, or
+    # depths 1-3 read at the bare forwards' cost beside a real depth 4 (half as dear).
+    cm = CostModel()
+    for d in (1, 3, 8):
+        cm.observe_draft_total(64, d, 0.002 + 0.003 * d, track_level=False)
+    for _ in range(20):
+        cm.observe_draft_total(64, 4, 2.4 * (0.002 + 0.003 * 4))
+    for d in (1, 3, 8):
+        assert cm.t_draft_total(64, d) == pytest.approx(2.4 * (0.002 + 0.003 * d), rel=0.03)
+    assert cm.t_draft_total(64, 4) == pytest.approx(2.4 * (0.002 + 0.003 * 4), rel=0.01)
+
