@@ -323,6 +323,9 @@ def _pool_adjacent_violators(points: list[_EmaPoint]) -> None:
 # but one taken just as a slow spell ends is off by the spell.
 _CROSS_ALPHA = 0.1
 
+# What the prior acceptance is worth, in observations: the first few average with it.
+_PRIOR_OBSERVATIONS = 4
+
 
 class _Row:
     """t_verify (or draft time by depth) of one batch bucket: a point per rows per sequence
@@ -755,6 +758,11 @@ class AdaptiveController:
         self.sibling_acceptance = prior_sibling_acceptance
         self._requests: dict[Hashable, _RequestAcceptance] = {}
         self._steps_since_seen = [0] * max_depth   # steps since position k got data
+        # Position 1 never measured: the first plain step probes. On the prior alone a fresh
+        # server hit by 64 requests at once planned depth 0 and ran ~25 plain steps before its
+        # step costs, not any acceptance figure, pushed it to speculate (eighth session).
+        if max_depth and probe_interval > 0:
+            self._steps_since_seen[0] = probe_interval
         self._num_seen = [0] * max_depth           # observations of position k, ever
         self._weight = [0.0] * max_depth           # observations of position k, fading when stale
 
@@ -1203,7 +1211,10 @@ class AdaptiveController:
                         self.sibling_acceptance += ga * (0.0 - self.sibling_acceptance)
                 if self._num_seen[k] == 0:   # first data: start from the carried estimate
                     self.acceptance[k] = self.global_acceptance()[k]
-                self.acceptance[k] += ga * (spine - self.acceptance[k])
+                # The first observations average with the prior (worth a few of them), so
+                # the first probe replaces a guess rather than nudging it by alpha.
+                w = max(ga, 1.0 / (self._num_seen[k] + _PRIOR_OBSERVATIONS))
+                self.acceptance[k] += w * (spine - self.acceptance[k])
                 self._num_seen[k] += 1
                 self._weight[k] += 1.0
                 r.ema[k] += ra * (spine - r.ema[k])

@@ -586,7 +586,8 @@ def test_speculates_at_high_load_with_long_contexts_when_it_pays():
     kept = {}
     for with_context in (True, False):
         ctrl = context_calibrated(with_context, guard_min_batch=1024)   # the model alone decides
-        ctrl.acceptance = [0.8] * ctrl.max_depth   # measured before the plain spell
+        ctrl.acceptance = [0.8] * ctrl.max_depth   # measured before the plain spell,
+        ctrl._steps_since_seen = [0] * ctrl.max_depth   # lately: no probe due for 200 steps
         for _ in range(150):
             ctrl.observe(StepStats(batch_size=B, depth=0, num_nodes=0, draft_s=0.0,
                                    verify_s=ctx_verify(B, B, B * per_seq), num_accepted=[],
@@ -788,3 +789,17 @@ def test_a_depth_first_run_between_stand_ins_teaches_their_ratio():
         assert cm.t_draft_total(64, d) == pytest.approx(2.4 * (0.002 + 0.003 * d), rel=0.03)
     assert cm.t_draft_total(64, 4) == pytest.approx(2.4 * (0.002 + 0.003 * 4), rel=0.01)
 
+
+def test_a_fresh_controller_measures_acceptance_before_trusting_its_prior():
+    # 32 requests arrive at a fresh server. Under these costs the prior (0.6 per position) has
+    # plain decoding best, while the real acceptance (0.9) makes depths 2-3 ~1.2x plain. Never
+    # having seen a draft accepted, the controller probes on its first plain step instead of
+    # waiting probe_interval steps, and that one step's 32 requests outweigh the prior.
+    verify = lambda b, t: 0.010 + 0.012 * t / b  # noqa: E731
+    draft = lambda b: 0.002  # noqa: E731
+    assert true_goodput(0, 32, 0.6, verify, draft) > true_goodput(1, 32, 0.6, verify, draft)
+    assert true_goodput(2, 32, 0.9, verify, draft) > 1.15 * true_goodput(0, 32, 0.9, verify, draft)
+    ctrl = calibrated(verify, draft)
+    plans = simulate(ctrl, 40, 32, 0.9, verify, draft, random.Random(0))
+    assert plans[0].depth >= 1
+    assert all(p.depth >= 1 for p in plans[10:])
