@@ -159,8 +159,15 @@ step, unless the plan in use has measured more than ``guard_band`` above a recen
 figure; when the plan in use has measured below plain decoding by more than ``guard_margin``
 (both within ``guard_max_age`` steps, at least ``guard_min_samples`` speculative steps and
 ``guard_min_plain`` plain ones: one plain step is too thin a reference, a stall of the
-speculative steps or a lucky plain step would do), the bucket is held at depth 0 for
-``guard_hold`` steps. Only from ``guard_min_batch`` sequences
+speculative steps or a lucky plain step would do), the bucket is held at depth 0, and its
+speculative figures are dropped so that the next verdict is on fresh steps. The hold backs off:
+``guard_first_hold`` steps, doubling for each trip that follows the end of the last hold within
+``guard_max_age`` steps, up to ``guard_hold``. A bucket's first steps under load are slow for
+whichever plan runs them (memory first touched at that size), and it is the speculative plan
+that runs first: a trip on such samples held a sweep's 64-request cell at depth 0 for all
+its 128-step hold, at 0.78x static depth 4 (seventh session). Where speculation truly loses,
+a hold costs ``guard_min_samples`` speculative steps each, so later holds are long.
+Only from ``guard_min_batch`` sequences
 on: with one or two, a step's goodput says more about the request running (acceptance
 differs from prompt to prompt by 2x) than about the plan, and the per-request acceptance
 model is the better judge; with many the step averages over requests and its cost decides.
@@ -687,6 +694,7 @@ class AdaptiveController:
         guard_min_samples: int = 6,
         guard_max_age: int = 128,
         guard_hold: int = 128,
+        guard_first_hold: int = 32,
         guard_min_plain: int = 3,
         guard_interval: int = 32,
         guard_band: float = 1.15,
@@ -745,6 +753,7 @@ class AdaptiveController:
         self.guard_min_samples = guard_min_samples
         self.guard_max_age = guard_max_age
         self.guard_hold = guard_hold
+        self.guard_first_hold = max(1, min(guard_first_hold, guard_hold))
         self.guard_min_plain = guard_min_plain
         self.guard_interval = guard_interval
         self.guard_band = guard_band
@@ -787,6 +796,7 @@ class AdaptiveController:
         # buckets held at depth 0 until a step count, and the countdown to the next depth-0 step.
         self._measured: dict[tuple[int, int], _Measured] = {}
         self._guard_hold_until: dict[int, int] = {}
+        self._guard_holds_in_row: dict[int, int] = {}   # bucket -> trips in a row (the backoff)
         self._guard_countdown = guard_interval
         self.num_guard_trips = 0
         self.depth_histogram: dict[int, int] = {}
@@ -1090,7 +1100,7 @@ class AdaptiveController:
     def _guard(self, batch_size: int, cur: Plan, scores) -> Plan:
         """Measured goodput overrules the model on speculating at all: a batch bucket whose
         speculative plan has measured below plain decoding (both measured recently) is held
-        at depth 0 for guard_hold steps."""
+        at depth 0 (guard_first_hold steps, doubling for trips in a row, up to guard_hold)."""
         b = _bucket(batch_size)
         if batch_size < self.guard_min_batch:
             return cur
@@ -1104,7 +1114,14 @@ class AdaptiveController:
                 and self._measured_goodput(m, cur, scores)
                 < self._measured_goodput(m0, Plan(0, 0), scores) * (1.0 - self.guard_margin)):
             self.num_guard_trips += 1
-            self._guard_hold_until[b] = self.num_steps + self.guard_hold
+            in_row = (self._guard_holds_in_row.get(b, 0) + 1
+                      if self.num_steps - self._guard_hold_until.get(b, -self.guard_max_age - 1)
+                      <= self.guard_max_age else 1)
+            self._guard_holds_in_row[b] = in_row
+            hold = min(self.guard_hold, self.guard_first_hold << min(in_row - 1, 30))
+            self._guard_hold_until[b] = self.num_steps + hold
+            for key in [k for k in self._measured if k[0] == b and k[1] > 0]:
+                del self._measured[key]   # the verdict after the hold is on fresh steps
             return self._switch(Plan(0, 0))
         return cur
 

@@ -803,3 +803,43 @@ def test_a_fresh_controller_measures_acceptance_before_trusting_its_prior():
     plans = simulate(ctrl, 40, 32, 0.9, verify, draft, random.Random(0))
     assert plans[0].depth >= 1
     assert all(p.depth >= 1 for p in plans[10:])
+
+
+def test_a_guard_trip_on_a_passing_spell_is_short():
+    # 16 sequences where speculation wins by far, but for the first 30 steps every speculative
+    # step costs 8x (a bucket's first steps under load touch memory at that size first, and the
+    # speculative plan runs first). The guard trips on that, rightly at the time; once the
+    # spell is over the bucket must speculate again after the first, short hold (32 steps),
+    # not sit out a full guard_hold of plain steps.
+    rng = random.Random(8)
+    ctrl = calibrated(flat_verify, cheap_draft, probe_interval=0, guard_interval=4)
+    ids = [f"r{i}" for i in range(16)]
+    depths = []
+    for step in range(300):
+        plan = ctrl.plan(16, ids)
+        depths.append(plan.depth)
+        slow = 8.0 if plan.depth and step < 30 else 1.0
+        acc = [sum(1 for _ in range(plan.depth) if rng.random() < 0.85) for _ in ids]
+        ctrl.observe(StepStats(16, plan.depth, plan.num_nodes, slow * plan.depth * cheap_draft(16),
+                               slow * flat_verify(16, 16 * (plan.num_nodes + 1)), acc, ids))
+    assert ctrl.num_guard_trips >= 1
+    assert sum(d > 0 for d in depths[60:]) / len(depths[60:]) > 0.9
+
+
+def test_guard_holds_back_off_while_speculation_keeps_losing():
+    # The wrong model of the first guard test: each hold ends with a re-test on fresh
+    # speculative steps, which lose again, and the holds double (32, 64, then guard_hold).
+    rng = random.Random(3)
+    ctrl = calibrated(compute_bound_verify, cheap_draft, probe_interval=0)
+    ctrl.evaluate = lambda b, ids, ctx=None: {Plan(d, d): (1000.0 if d == 3 else 500.0, 1.0) for d in range(9)}
+    plans = simulate(ctrl, 800, 16, 0.6, compute_bound_verify, cheap_draft, rng)
+    holds, run = [], 0
+    for p in plans + [Plan(3, 3)]:
+        if p.depth == 0:
+            run += 1
+            continue
+        if run >= 16:
+            holds.append(run)
+        run = 0
+    assert len(holds) >= 4
+    assert holds[0] <= 40 and 56 <= holds[1] <= 72 and all(120 <= h <= 136 for h in holds[2:-1])
