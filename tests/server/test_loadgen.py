@@ -344,3 +344,63 @@ def test_cpu_lists_and_pinning_the_server_and_the_client(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_sweep_restarts_its_servers_every_round_when_asked(tmp_path):
+    """--interleave --rounds N --restart-per-round: every round gets fresh server processes
+    (a process keeps its own pace for life, so a setting's rounds must not share one);
+    without it, one process per setting serves every round."""
+    import socket
+    import sys
+    from pathlib import Path
+
+    from benchmarks import sweep
+
+    root = Path(__file__).resolve().parents[2]
+    pids = tmp_path / "pids"
+    script = tmp_path / "fake_server.py"
+    script.write_text(
+        "import os, sys\n"
+        f"sys.path.insert(0, {str(root)!r})\n"
+        "from aiohttp import web\n"
+        "from tests.server.test_loadgen import metrics_route, scripted_completions\n"
+        "async def health(request):\n"
+        "    return web.Response(text='ok')\n"
+        f"with open({str(pids)!r}, 'a') as f:\n"
+        "    f.write(f\"{os.getpid()} {' '.join(sys.argv[2:])}\\n\")\n"
+        "app = web.Application()\n"
+        "app.router.add_post('/v1/completions', scripted_completions)\n"
+        "app.router.add_get('/metrics', metrics_route)\n"
+        "app.router.add_get('/health', health)\n"
+        "web.run_app(app, host='127.0.0.1', port=int(sys.argv[1]), print=None)\n")
+
+    def free_port_pair() -> int:
+        for _ in range(50):
+            with socket.socket() as a:
+                a.bind(("127.0.0.1", 0))
+                port = a.getsockname()[1]
+                try:
+                    with socket.socket() as b:
+                        b.bind(("127.0.0.1", port + 1))
+                        return port
+                except OSError:
+                    continue
+        raise RuntimeError("no two free consecutive ports")
+
+    def run(out: str, *flags: str) -> list[str]:
+        pids.write_text("")
+        sweep.main(["--model", "m", "--server-cmd", f"{sys.executable} {script} {{port}} {{overrides}}",
+                    "--settings", "none", "static1", "--port", str(free_port_pair()), "--concurrency", "1",
+                    "--interleave", "--rounds", "2", "--warmup-requests", "0", *flags,
+                    "--out-dir", str(tmp_path / out), "--", "--num-prompts", "2", "--no-progress"])
+        return pids.read_text().splitlines()
+
+    fresh = run("fresh", "--restart-per-round")
+    assert len(fresh) == 4 and len({line.split()[0] for line in fresh}) == 4
+    assert sum("--draft-kind none" in line for line in fresh) == 2
+    assert (tmp_path / "fresh" / "server_none_round1.log").exists()
+    for r in (0, 1):
+        cell = json.loads((tmp_path / "fresh" / f"round{r}" / "static1_c1.json").read_text())
+        assert cell["metrics"]["num_completed"] == 2
+    kept = run("kept")
+    assert len(kept) == 2 and len({line.split()[0] for line in kept}) == 2
