@@ -70,6 +70,14 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def warmup_args(base_url: str, model: str, requests: int, concurrencies: list[int], extra: list[str]) -> list[str]:
+    """loadgen arguments of a server's warm-up: at the sweep's largest concurrency, at least one
+    request per unit of it (see warm_up in main)."""
+    top = max(concurrencies)
+    return ["--base-url", base_url, "--model", model, "--num-prompts", str(max(requests, top)),
+            "--max-concurrency", str(top), "--no-progress"] + extra
+
+
 def markdown_table(results: list[dict]) -> str:
     head = ("| setting | conc | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
             "| TPOT p50 ms | mean acc. len |\n|---|---|---|---|---|---|---|---|---|---|")
@@ -100,7 +108,8 @@ def main(argv=None):
     p.add_argument("--server-cmd", default="specserve serve --config {config} --host 127.0.0.1 "
                                              "--port {port} --cpu-threads 1 {overrides}")
     p.add_argument("--warmup-requests", type=int, default=8,
-                   help="requests sent to each server before the measured runs (not recorded)")
+                   help="requests sent to each server before the measured runs (not recorded), at least "
+                        "one per unit of the largest concurrency, sent at that concurrency")
     p.add_argument("--base-url", action="append", default=[], metavar="LABEL=URL",
                    help="use an already running server per setting instead of starting one")
     p.add_argument("--port", type=int, default=8765)
@@ -157,10 +166,14 @@ def main(argv=None):
         return loadgen.main(lg + extra)
 
     def warm_up(setting: str, base: str) -> None:
-        if args.warmup_requests:  # first requests pay one-off costs (allocator, caches)
+        # The first requests pay one-off costs (allocator, caches), and a process's first pass at
+        # a size touches that much memory for the first time: warmed at 4 requests only, fresh
+        # servers ran each round's 16- and 32-request cells cold, speculation (more rows per
+        # pass) the more so, and plain decoding came out ahead of every static depth at 32
+        # requests. So the warm-up runs at the sweep's largest concurrency.
+        if args.warmup_requests:
             print(f"== {setting} warm-up", file=sys.stderr)
-            loadgen.main(["--base-url", base, "--model", args.model, "--num-prompts", str(args.warmup_requests),
-                          "--max-concurrency", "4", "--no-progress"] + extra)
+            loadgen.main(warmup_args(base, args.model, args.warmup_requests, args.concurrency, extra))
 
     def finish(results: list[dict], dest: Path) -> None:
         (dest / "summary.md").write_text(markdown_table(results))

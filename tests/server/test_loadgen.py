@@ -404,3 +404,15 @@ def test_sweep_restarts_its_servers_every_round_when_asked(tmp_path):
         assert cell["metrics"]["num_completed"] == 2
     kept = run("kept")
     assert len(kept) == 2 and len({line.split()[0] for line in kept}) == 2
+
+
+def test_sweep_warms_servers_up_at_its_largest_concurrency():
+    """A fresh process's first pass at a size touches that memory first: the warm-up runs at the
+    largest concurrency of the sweep, with at least one request per unit of it."""
+    from benchmarks import sweep
+
+    args = loadgen.make_parser().parse_args(
+        sweep.warmup_args("http://h:1", "m", 8, [1, 2, 64, 4], ["--max-tokens", "16"]))
+    assert args.max_concurrency == 64 and args.num_prompts == 64 and args.max_tokens == 16
+    args = loadgen.make_parser().parse_args(sweep.warmup_args("http://h:1", "m", 8, [1, 2], []))
+    assert args.max_concurrency == 2 and args.num_prompts == 8
