@@ -79,9 +79,11 @@ the measured point's reference, moved by every step. A run of steps at one plan 
 the level, so a slow spell is taken up by the level, which later steps bring back, and not by
 the point of whichever plan ran during it (the sixth session's logs: a point that followed its
 measurements read 1.2x its cost a hundred steps after a spell, and the controller leaves exactly
-the plans it measured during spells, so nothing measured them again). A reference starts as
-the mean of the point's first few measurements over the level, and then follows
-*comparisons*: a measurement right after the row measured another point (an exploration, a
+the plans it measured during spells, so nothing measured them again). A new point between
+measured ones starts from their interpolation (the curve is smooth in the rows, and its first
+measurements over a level that still lags, at a bucket's first steps under load, read 1.8x its
+neighbours in the eighth session's logs); beyond them, from the mean of its first few
+measurements over the level. It then follows *comparisons*: a measurement right after the row measured another point (an exploration, a
 switch) moves it by 0.1 toward seconds / level, the level then standing for the other point at
 that moment. Frozen after its first few samples (until the seventh session), a reference kept
 whatever mismatch the level had then, standing for a point measured on another scale (the idle
@@ -127,7 +129,10 @@ decays slowly toward the estimate of the position above it (position 1: toward
 ``prior_acceptance``), and a request's own stale positions lose weight toward the global. After ``probe_interval`` steps
 without data for the position just below the current depth, one step is run one level deeper
 (from ``d = 0``: depth ``probe_depth``), so the estimates cannot go stale; at most one probe
-per interval, so the cost is bounded by ``1 / probe_interval`` of a step.
+per interval, so the cost is bounded by ``1 / probe_interval`` of a step. Position 1 never
+observed counts as due, so a fresh controller probes on its first plain step, and the prior
+weighs as ``_PRIOR_OBSERVATIONS`` observations in a position's first EMA steps: one probe of a
+batch replaces the guess rather than nudging it.
 
 **Neighbours.** The plan in use refreshes only its own cost buckets; a plan one level
 shallower or deeper is judged on older numbers, and the level shift of the contexts since
@@ -329,9 +334,6 @@ def _pool_adjacent_violators(points: list[_EmaPoint]) -> None:
 # another point) moves a point's reference: explorations come one step in 16, so each counts,
 # but one taken just as a slow spell ends is off by the spell.
 _CROSS_ALPHA = 0.1
-
-# What the prior acceptance is worth, in observations: the first few average with it.
-_PRIOR_OBSERVATIONS = 4
 
 
 class _Row:
@@ -658,6 +660,10 @@ class _Measured:
 class _RequestAcceptance:
     ema: list[float] = field(default_factory=list)    # [max_depth] per-position EMA
     count: list[int] = field(default_factory=list)    # [max_depth] observations
+
+
+# What the prior acceptance is worth, in observations: a position's first few average with it.
+_PRIOR_OBSERVATIONS = 4
 
 
 class AdaptiveController:

@@ -736,6 +736,14 @@ def test_a_slow_spell_does_not_leave_the_plan_it_hit_looking_dear():
     assert cm.t_verify(1, 4) == pytest.approx(cost(4), rel=0.02)
 
 
+def idle_calibrated_rows(batch_size, cost):
+    """A cost model calibrated as at start-up: verify rows 1, 2, 4 and 9 at cost(rows)."""
+    cm = CostModel()
+    for rows in (1, 2, 4, 9):
+        cm.observe_verify(batch_size, batch_size * rows, cost(rows), track_level=False)
+    return cm
+
+
 def test_a_point_first_measured_on_another_scale_is_brought_into_line_by_its_neighbours():
     # The calibration (idle, bare forwards) has rows 1, 2, 4 and 9; in the loaded server every
     # pass costs 1.5x that. The engine first runs 5 rows, a point of its own, with the level
@@ -745,9 +753,7 @@ def test_a_point_first_measured_on_another_scale_is_brought_into_line_by_its_nei
     # 5 rows over 4 must come back to the true ratio (with the reference frozen after its
     # first few samples it stayed 1.4x off, the seventh session's trap at 32 sequences).
     cost = lambda rows: 0.008 + 0.004 * rows  # noqa: E731
-    cm = CostModel()
-    for rows in (1, 2, 4, 9):
-        cm.observe_verify(32, 32 * rows, cost(rows), track_level=False)
+    cm = idle_calibrated_rows(32, cost)
     for _ in range(20):
         cm.observe_verify(32, 32 * 5, 1.5 * cost(5))
     for step in range(1, 641):
@@ -766,9 +772,7 @@ def test_a_new_point_between_measured_ones_takes_its_place_in_the_shape_from_the
     # calibrated 2 and 4 around it, a dip in the predicted goodput at depth 2, and the plan
     # fell to depth 1 (eighth session, 64 sequences).
     cost = lambda rows: 0.008 + 0.004 * rows  # noqa: E731
-    cm = CostModel()
-    for rows in (1, 2, 4, 9):
-        cm.observe_verify(64, 64 * rows, cost(rows), track_level=False)
+    cm = idle_calibrated_rows(64, cost)
     for _ in range(30):
         cm.observe_verify(64, 64 * 3, 1.8 * cost(3))
     for rows in (1, 2, 3, 4, 9):
