@@ -58,10 +58,10 @@ with it; more rows or more levels never cost less, and such a fall is a stale po
 spell that would make the plans past it look cheap), extrapolate with
 the last segment's slope (never negative) beyond the largest, and interpolate in ``log2 B``
 between batch buckets. :meth:`AdaptiveController.calibrate` warm-starts every power-of-two
-batch bucket at start-up from a short measurement (spec.py: up to 8 sequences every chain
-length and every draft depth, where a curve near its flat top decides between plans a few
-percent apart; above that verify passes of 1, 2, 4 and max + 1 rows per sequence and draft
-levels at depths 1, 3 and the maximum). The draft's
+batch bucket at start-up from a short measurement (spec.py: every chain length at every
+batch size, since the cost of more rows is not linear and a curve near its flat top decides
+between plans a few percent apart; every draft depth up to 8 sequences, above that depths 1,
+3 and the maximum). The draft's
 calibrated points only stand in until the engine runs that depth (bare forwards of dummy
 sequences, without the host work of each level): the engine's levels cost 1.2x them offline
 and 1.5-2.7x in a server under load, so a stand-in not yet replaced is read times the mean
@@ -97,13 +97,17 @@ that share does not grow with the rows verified; at 64 sequences of a few hundre
 the CPU it is most of a plain decode pass. Read as a level, that growth would scale every row
 count alike and make speculation look dearer exactly when contexts are long. So the model is::
 
-    t_verify(B, T, C) = row_B(T) + c_B * (C - B * C_ref)
+    t_verify(B, T, C) = row_B(T) + c_B(T / B) * (C - B * C_ref)
     t_draft(B, d, C)  = draft_B(d) + d * c'_B * (C - B * C_ref)
 
-with ``c_B``, ``c'_B`` (seconds per context token of a verify pass and of one draft level)
-measured at start-up (the median difference of five back-to-back one-row passes at two
-contexts: at high load this term prices most of a pass, and one slow spell over a separately
-timed minimum made it 3x too steep), ``C_ref`` the calibration's context
+with ``c_B(r)``, ``c'_B`` (seconds per context token of a verify pass of ``r`` rows per
+sequence and of one draft level) measured at start-up (the median difference of back-to-back
+passes at two contexts: at high load this term prices most of a pass, and one slow spell over
+a separately timed minimum made it 3x too steep). ``c_B`` is kept per rows since each row
+attends over the whole context: on the dev CPU at 64 sequences the slope of 3-9 rows was
+1.6-2.3x that of one row, and with one slope for all, the rows the plan was not running read
+1.1-1.2x their cost beside the one it ran (the ninth session: adaptive sat at depth 2 at 64
+requests, 0.89x static depth 3). ``C_ref`` is the calibration's context
 per sequence, and the rows and their level holding costs brought to ``C_ref`` (each
 measurement has the context term taken off before it updates them). The engine passes ``C``
 with every plan and every step.
@@ -309,6 +313,17 @@ def _interp_points(points: list[_EmaPoint], x: float, xs: list[float] | None = N
     return max(t, 0.1 * points[0].t)
 
 
+def _slope_at(points: list[_EmaPoint], x: float) -> float:
+    """Piecewise-linear through points sorted by x, flat beyond the ends."""
+    if x <= points[0].x:
+        return points[0].t
+    if x >= points[-1].x:
+        return points[-1].t
+    i = bisect.bisect_left([p.x for p in points], x)
+    lo, hi = points[i - 1], points[i]
+    return lo.t + (hi.t - lo.t) * (x - lo.x) / (hi.x - lo.x)
+
+
 def _pool_adjacent_violators(points: list[_EmaPoint]) -> None:
     """Make the points' t non-decreasing in x, in place, by averaging each run that falls
     (isotonic regression, weights equal). A pass over more rows or more draft levels does more
@@ -494,28 +509,39 @@ class CostModel:
         # The context term (see the module docstring): batch bucket -> seconds per token of
         # context (summed over the batch) of a verify pass and of one draft level, measured at
         # start-up; the rows hold costs as at `reference_context` tokens per sequence.
-        self._ctx_verify: dict[int, float] = {}
-        self._ctx_draft: dict[int, float] = {}
+        # A verify pass's slope is kept per rows per sequence (each row attends over the whole
+        # context: on the dev CPU at 64 sequences, 168 more tokens each added 16 ms to a
+        # one-row pass and 26-38 ms to passes of 4-9 rows); a draft level's is one slope.
+        self._ctx_verify: dict[int, list[_EmaPoint]] = {}   # x: rows per sequence, t: slope
+        self._ctx_draft: dict[int, list[_EmaPoint]] = {}
         self.reference_context = 0
 
-    def set_context_slopes(self, batch_size: int, verify_s_per_token: float,
+    def set_context_slopes(self, batch_size: int, verify_s_per_token: float | dict[int, float],
                            draft_s_per_token: float, reference_context: int) -> None:
+        """verify_s_per_token: one slope for every pass, or {rows per sequence: slope} (read
+        piecewise-linearly between the rows given, flat beyond them, and made non-decreasing
+        in the rows: one more row per sequence never reads the context for less)."""
         b = _bucket(batch_size)
-        self._ctx_verify[b] = max(0.0, float(verify_s_per_token))
-        self._ctx_draft[b] = max(0.0, float(draft_s_per_token))
+        slopes = verify_s_per_token if isinstance(verify_s_per_token, dict) else {1: verify_s_per_token}
+        points = [_EmaPoint(rows, max(0.0, float(s))) for rows, s in sorted(slopes.items())]
+        _pool_adjacent_violators(points)
+        self._ctx_verify[b] = points
+        self._ctx_draft[b] = [_EmaPoint(1, max(0.0, float(draft_s_per_token)))]
         self.reference_context = int(reference_context)
 
-    def _excess_context(self, table: dict[int, float], batch_size: int, context_tokens: int | None) -> float:
-        """Seconds the context adds over the reference context (negative below it)."""
+    def _excess_context(self, table: dict[int, list[_EmaPoint]], batch_size: int, context_tokens: int | None,
+                        rows: float = 1.0) -> float:
+        """Seconds the context adds over the reference context (negative below it) to a pass
+        of `rows` rows per sequence."""
         if context_tokens is None or not table:
             return 0.0
-        slope = _across_batch_buckets(sorted(table), batch_size, table.__getitem__)
+        slope = _across_batch_buckets(sorted(table), batch_size, lambda b: _slope_at(table[b], rows))
         return slope * (context_tokens - batch_size * self.reference_context)
 
-    def _strip_context(self, table: dict[int, float], batch_size: int, context_tokens: int | None,
-                       seconds: float, levels: int = 1) -> float:
+    def _strip_context(self, table: dict[int, list[_EmaPoint]], batch_size: int, context_tokens: int | None,
+                       seconds: float, levels: int = 1, rows: float = 1.0) -> float:
         """A measurement brought to the reference context (never below a tenth of itself)."""
-        adjusted = seconds - levels * self._excess_context(table, batch_size, context_tokens)
+        adjusted = seconds - levels * self._excess_context(table, batch_size, context_tokens, rows)
         return max(adjusted, 0.1 * seconds)
 
     @property
@@ -566,7 +592,8 @@ class CostModel:
     def observe_verify(self, batch_size: int, num_tokens: int, seconds: float, track_level: bool = True,
                        context_tokens: int | None = None) -> None:
         """`track_level=False` (calibration): set this bucket only, do not move the row's level."""
-        seconds = self._strip_context(self._ctx_verify, batch_size, context_tokens, seconds)
+        rows = max(1, round(num_tokens / max(1, batch_size)))
+        seconds = self._strip_context(self._ctx_verify, batch_size, context_tokens, seconds, rows=rows)
         row = self._verify.get(_bucket(batch_size))
         if row is None:
             row = self._verify[_bucket(batch_size)] = _Row()
@@ -574,7 +601,7 @@ class CostModel:
         # token bucket: at 16 sequences depths 2 and 3 (48 and 64 tokens) would share a point,
         # and on the CPU their costs differ by odd/even row effects a bucket's mean blurs.
         row.observe(num_tokens, seconds, self.alpha, self.level_alpha if track_level else 0.0,
-                    is_reference=not track_level, key=max(1, round(num_tokens / max(1, batch_size))))
+                    is_reference=not track_level, key=rows)
 
     def t_draft(self, batch_size: int) -> float:
         if not self._draft:
@@ -594,10 +621,10 @@ class CostModel:
         if not self._verify:
             return [0.0] * len(token_counts)
         weights = [(self._verify[b], w) for b, w in _bucket_weights(sorted(self._verify), batch_size)]
-        excess = self._excess_context(self._ctx_verify, batch_size, context_tokens)
         out = []
         for n in token_counts:
             base = sum(w * row.predict(n) for row, w in weights)
+            excess = self._excess_context(self._ctx_verify, batch_size, context_tokens, n / max(1, batch_size))
             out.append(max(0.1 * base, base + excess))
         return out
 
@@ -634,8 +661,10 @@ class CostModel:
             "verify_s": {b: {tb: (q.x, q.t) for tb, q in zip(sorted(row.points), row.current())}
                          for b, row in sorted(self._verify.items())},
             "verify_level": {b: row.level for b, row in sorted(self._verify.items())},
-            "verify_s_per_context_token": dict(sorted(self._ctx_verify.items())),
-            "draft_s_per_context_token": dict(sorted(self._ctx_draft.items())),
+            # Per batch bucket: {rows per sequence: seconds per context token} of a verify pass,
+            # and the seconds per context token of one draft level.
+            "verify_s_per_context_token": {b: {int(p.x): p.t for p in pts} for b, pts in sorted(self._ctx_verify.items())},
+            "draft_s_per_context_token": {b: pts[0].t for b, pts in sorted(self._ctx_draft.items())},
             "reference_context": self.reference_context,
         }
 

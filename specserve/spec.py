@@ -204,40 +204,49 @@ class Speculator:
         # otherwise extrapolate its verify cost from its own two or three noisy points.
         sizes = [1 << i for i in range(9) if (1 << i) <= min(max_batch_size, budget)]
         nodes = sorted({0, 1, min(3, max_nodes), max_nodes})
-        # Small batches get every chain length measured: their passes are latency-bound and
-        # the cost of a few more rows is not linear there (cache effects, kernel choice by
-        # shape), the goodput curve over depth is flat near its top, and an interpolated point
-        # a few percent off moves the plan. Larger batches keep the coarse grid (each of their
-        # points costs more start-up time, and their curve is steeper).
+        # Every chain length is measured, at every batch size: the cost of a few more rows is
+        # not linear (cache effects, kernel choice by shape), the goodput curve over depth is
+        # flat near its top, and an interpolated point a few percent off moves the plan. On
+        # the dev CPU at 64 sequences of 200 tokens, 3 rows cost what 4 do, 1.2x what the 2
+        # and 4 around them said; read cheap, depth 2 was run where 3-4 were best. Small
+        # batches also get every draft depth (larger ones run their draft levels at a near
+        # constant cost per level).
         fine_batch = 8
         fine_nodes = sorted(set(nodes) | set(range(min(self.controller.max_depth, max_nodes) + 1)))
         max_depth = self.controller.max_depth
         measure_draft = (lambda b: run(engine.draft, b, 1)) if self.drafter.has_kv else (lambda b: 1e-5)
         measure_total = draft_levels if self.drafter.has_kv else None
 
-        def context_slopes(b: int) -> tuple[float, float]:
-            """Seconds per token of context (summed over the batch): attention reads every
-            cached token for every row, so at many sequences with long contexts it is a large
-            share of a pass that does not grow with the rows verified. Without this term the
-            whole rise would scale every row count alike (the rows' level), and speculation
-            would look dearer than it is exactly at high load."""
+        def context_slopes(b: int, rows: list[int]) -> tuple[dict[int, float], float]:
+            """Seconds per token of context (summed over the batch), of a verify pass per rows
+            per sequence and of a draft level: attention reads every cached token for every
+            row, so at many sequences with long contexts it is a large share of a pass. Without
+            this term the whole rise would scale every row count alike (the rows' level), and
+            speculation would look dearer than it is exactly at high load. Per rows, since the
+            rise is not one figure: on the dev CPU at 64 sequences, 168 more tokens of context
+            each added 16 ms to a one-row pass, 19 ms to two rows and 26-38 ms to 3-9 rows
+            (one slope for all made 3 rows read 1.5x its cost and the plan sat at depth 2)."""
             if long_context <= context:
-                return 0.0, 0.0
+                return {1: 0.0}, 0.0
             span = b * (long_context - context)
-            verify = paired_difference(engine.target, b) / span
-            draft = paired_difference(engine.draft, b) / span if self.drafter.has_kv else 0.0
-            return max(0.0, verify), max(0.0, draft)
+            # 1, 2, 3, 5, 9, 17, ... rows and the largest (read linearly between them): each
+            # costs a few passes at the long context, which at 64 sequences is most of start-up.
+            rows = [r for r in rows if r <= 3 or (r - 1) & (r - 2) == 0 or r == rows[-1]]
+            verify = {r: max(0.0, paired_difference(engine.target, b, r, 5 if r == 1 else 3) / span) for r in rows}
+            draft = paired_difference(engine.draft, b, 1, 5) / span if self.drafter.has_kv else 0.0
+            return verify, max(0.0, draft)
 
-        def paired_difference(runner, b: int, pairs: int = 5) -> float:
+        def paired_difference(runner, b: int, rows: int, pairs: int) -> float:
             """Seconds a one-row pass at long_context takes over one at context: the median of
             `pairs` differences of back-to-back passes. At high load this slope prices most of
             a pass, so it must not be taken from two separate minima: on a shared machine a
             slow spell over one of them made it 3x too steep (the sixth session's logs: the
             context term alone then predicted more than a whole measured pass, and every
             verify row was read as nearly free, deep plans with it)."""
-            short, long = batch(b, 1), batch(b, 1, long_context)
-            runner.forward(short)[-1, 0].item()   # warm-up
-            runner.forward(long)[-1, 0].item()
+            short, long = batch(b, rows), batch(b, rows, long_context)
+            if rows == 1:   # warm-up (the passes of more rows come after it; the median takes a cold one)
+                runner.forward(short)[-1, 0].item()
+                runner.forward(long)[-1, 0].item()
             diffs = []
             for _ in range(pairs):
                 start = time.perf_counter()
@@ -249,12 +258,14 @@ class Speculator:
 
         for b in sizes:  # one size at a time, so each keeps only the node counts that fit the budget
             fine = b <= fine_batch
+            verify_nodes = [n for n in fine_nodes if b * (n + 1) <= budget]
             self.controller.calibrate(
                 lambda b, num_tokens: run(engine.target, b, num_tokens // b), measure_draft,
-                batch_sizes=[b], nodes_per_seq=[n for n in (fine_nodes if fine else nodes) if b * (n + 1) <= budget],
+                batch_sizes=[b], nodes_per_seq=verify_nodes,
                 measure_draft_total=measure_total if 2 * b <= budget else None,
                 draft_depths=range(1, max_depth + 1) if fine else (1, 3, max_depth),
-                measure_context=context_slopes, reference_context=context,
+                measure_context=lambda b, rows=[n + 1 for n in verify_nodes]: context_slopes(b, rows),
+                reference_context=context,
             )
 
     def observe(self, batch: SchedulerOutput, plan: Plan, draft_s: float, verify_s: float,

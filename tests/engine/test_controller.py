@@ -549,6 +549,40 @@ def test_context_growth_is_not_taken_for_dearer_rows():
     assert predictions[False] > 1.25 * truth
 
 
+def rows_ctx_verify(batch_size, num_tokens, context_tokens):
+    # Each row attends over the whole context: the context's share grows with the rows.
+    return 0.010 + 1e-3 * num_tokens + rows_ctx_slope(num_tokens / batch_size) * context_tokens
+
+
+def rows_ctx_slope(rows):
+    return 2e-6 * (1.0 + 0.5 * (rows - 1))
+
+
+def test_the_context_slope_is_taken_per_rows_verified():
+    """At long contexts a pass of more rows reads the context more: calibrated with a slope
+    per rows per sequence, the model runs 3 rows at 300 tokens of context and then predicts
+    1-5 rows there within 2%; one slope for every pass (the one-row pass's) makes the rows it
+    did not run cheaper or dearer by more than 10%, the shape the plan compares depths by."""
+    B, ctx = 64, 64 * 300
+    rows = (1, 2, 3, 4, 5)
+    errors = {}
+    for per_rows in (True, False):
+        ctrl = AdaptiveController(max_depth=4)
+        slopes = {r: rows_ctx_slope(r) for r in rows} if per_rows else rows_ctx_slope(1)
+        ctrl.calibrate(lambda b, t: rows_ctx_verify(b, t, b * REF_CTX), lambda b: 1e-3,
+                       batch_sizes=[B], nodes_per_seq=[r - 1 for r in rows],
+                       measure_context=lambda b: (slopes, 0.0), reference_context=REF_CTX)
+        for _ in range(100):
+            ctrl.costs.observe_verify(B, 3 * B, rows_ctx_verify(B, 3 * B, ctx), context_tokens=ctx)
+        errors[per_rows] = [ctrl.costs.t_verify(B, r * B, ctx) / rows_ctx_verify(B, r * B, ctx) - 1
+                            for r in rows]
+    assert max(abs(e) for e in errors[True]) < 0.02
+    assert max(abs(e) for e in errors[False]) > 0.10
+    # the snapshot shows the slopes per rows
+    snap = ctrl.costs.snapshot()
+    assert snap["verify_s_per_context_token"][64] == {1: pytest.approx(rows_ctx_slope(1))}
+
+
 def test_speculates_at_high_load_with_long_contexts_when_it_pays():
     """64 sequences with 300 tokens of context each, after a spell of plain decoding (as
     after a guard hold, or a cell of a sweep): speculation at depth 2 yields ~1.3x plain
