@@ -15,6 +15,7 @@ the draft re-reads accepted branch tokens in its next catch-up, see drafts/model
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ from specserve.runner import ForwardInput, slots_for
 from specserve.sampling import SamplingTensors, target_probs
 from specserve.scheduler import Scheduler, SchedulerOutput, ScheduledSeq
 from specserve.tree import DraftTree, fixed_tree_size
+
+logger = logging.getLogger("specserve")
 
 
 @dataclass
@@ -237,7 +240,8 @@ class Speculator:
             return verify, max(0.0, draft)
 
         def paired_difference(runner, b: int, rows: int, pairs: int) -> float:
-            """Seconds a one-row pass at long_context takes over one at context: the median of
+            """Seconds a pass of `rows` rows per sequence at long_context takes over one at
+            context: the median of
             `pairs` differences of back-to-back passes. At high load this slope prices most of
             a pass, so it must not be taken from two separate minima: on a shared machine a
             slow spell over one of them made it 3x too steep (the sixth session's logs: the
@@ -256,6 +260,9 @@ class Speculator:
                 diffs.append((time.perf_counter() - mid) - (mid - start))
             return sorted(diffs)[len(diffs) // 2]
 
+        started = time.perf_counter()
+        logger.info("controller: measuring step costs at batch sizes %s (start-up calibration)",
+                    ", ".join(map(str, sizes)))
         for b in sizes:  # one size at a time, so each keeps only the node counts that fit the budget
             fine = b <= fine_batch
             verify_nodes = [n for n in fine_nodes if b * (n + 1) <= budget]
@@ -267,6 +274,7 @@ class Speculator:
                 measure_context=lambda b, rows=[n + 1 for n in verify_nodes]: context_slopes(b, rows),
                 reference_context=context,
             )
+            logger.info("controller: batch size %d calibrated (%.1f s so far)", b, time.perf_counter() - started)
 
     def observe(self, batch: SchedulerOutput, plan: Plan, draft_s: float, verify_s: float,
                 num_accepted: list[int], request_ids: list[str], draft_is_typical: bool = True,
