@@ -144,17 +144,24 @@ does not move every bucket alike. So every ``explore_interval`` steps (speculati
 runs one level deeper or shallower, alternately: the neighbours stay measured, for about
 ``1 / explore_interval`` of a near-best step's goodput.
 
-**The middle of the band.** Near the top the goodput curve is flat (on the dev CPU at one
+**The centre of the band.** Near the top the goodput curve is flat (on the dev CPU at one
 request, static depths 4-7 measured within 4% of each other) and the predictions carry errors
 of a few percent (noisy timings, costs of depths not run lately, acceptance compounded over
 deep positions), so the argmax wanders over the flat top, and a rule that takes either edge of
 it lands where the curve starts to fall: the shallowest plan within a margin of the top (this
 controller's rule until the sixth session) ran depth 3 at one request where depths 5-7 were
-best, and depth 2 at 64 requests where 3-5 were. The plan aimed at is the middle of the band
-instead: the band is the run of depths around the top's whose best plans are predicted
-within ``band_margin`` of it, its middle depth (the shallower of two) is taken, and at that
-depth the plan predicted best. Errors smaller
-than the margin then cannot move the plan off the flat top, whichever side they push.
+best, and depth 2 at 64 requests where 3-5 were. The band is the run of depths around the
+top's whose best plans are predicted within ``band_margin`` of it, and the depth aimed at is
+its *centre*: the mean of its depths weighted by how far each stands above the band's floor
+(the top less the margin), rounded to the nearest depth; at that depth the plan predicted
+best. Errors smaller than the margin move the centre by a fraction of a depth, whichever side
+they push, and a depth that barely scrapes into the band barely counts. The band's middle
+depth (the shallower of two), this controller's rule from the sixth to the ninth session,
+weighed every depth in the band alike and leaned shallow wherever the curve falls slower on
+the shallow side than on the deep one, which at high load it does (the ninth session's
+in-server logs at 64 sequences: depth 3 predicted best, 2 within 1.3% and 4 within 5.7%, or
+1, 2 and 4 within 4.5%; the middle of [2, 3] or of [1, 3] is 2, the centre 3, and the plan sat
+at depth 1-2 where static depths 3-4 were best).
 
 **Guard.** The cost model can be wrong by more than the margins between plans (on the dev
 CPU its predictions for depths it has not run lately were off by 5-20%), and the one mistake
@@ -1088,27 +1095,27 @@ class AdaptiveController:
         return self._record(chosen)
 
     def _decide(self, scores: dict[Plan, tuple[float, float]]) -> Plan:
-        """The plan to run from a fresh evaluation: the middle of the band, with hysteresis."""
+        """The plan to run from a fresh evaluation: the centre of the band, with hysteresis."""
         top = max(g for g, _ in scores.values())
-        best = self._middle_of_band(scores, top)
+        best = self._centre_of_band(scores, top)
         cur = self.current if self.current in scores else best
         if best == cur:
             self._challenger_streak = 0
             return cur
         if scores[best][0] > scores[cur][0] * (1.0 + self.switch_margin):
             return self._switch(best)
-        # Any challenger counts: near a flat top the middle of the band changes from one
+        # Any challenger counts: near a flat top the centre of the band changes from one
         # evaluation to the next, and a streak of one challenger would never end.
         self._challenger_streak += 1
         if self._challenger_streak >= self.switch_patience:
             return self._switch(best)
         return cur
 
-    def _middle_of_band(self, scores: dict[Plan, tuple[float, float]], top: float) -> Plan:
-        """The plan aimed at: the middle depth (the shallower of two) of the band, the run of
-        depths around the top's whose best plans are predicted within band_margin of it; at
-        that depth the plan predicted best. See "The middle of the band" in the module
-        docstring."""
+    def _centre_of_band(self, scores: dict[Plan, tuple[float, float]], top: float) -> Plan:
+        """The plan aimed at: the centre of the band (the run of depths around the top's whose
+        best plans are predicted within band_margin of it), its depths weighted by their height
+        above the band's floor; at that depth the plan predicted best. See "The centre of the
+        band" in the module docstring."""
         floor = top * (1.0 - self.band_margin)
         best_at: dict[int, float] = {}   # depth -> its best plan's predicted goodput
         for p, (g, _) in scores.items():
@@ -1121,7 +1128,10 @@ class AdaptiveController:
             lo -= 1
         while hi + 1 in best_at and best_at[hi + 1] >= floor:
             hi += 1
-        depth = lo + (hi - lo) // 2
+        heights = {d: best_at[d] - floor for d in range(lo, hi + 1)}
+        total = sum(heights.values())
+        centre = sum(d * h for d, h in heights.items()) / total if total > 0 else (lo + hi) / 2
+        depth = min(heights, key=lambda d: (abs(d - centre), -best_at[d]))
         band = [p for p, (g, _) in scores.items() if p.depth == depth and g >= floor]
         return max(band, key=lambda p: (scores[p][0], -p.num_nodes))
 

@@ -700,21 +700,23 @@ def _with_predictions(ctrl, predict):
 FLAT_TOP = {0: 100, 1: 150, 2: 170, 3: 186, 4: 193, 5: 200, 6: 199, 7: 196, 8: 191}
 
 
-def test_plan_aims_at_the_middle_of_the_band_not_its_edge():
+def test_plan_aims_at_the_centre_of_the_band_not_its_edge():
     ctrl = _with_predictions(calibrated(flat_verify, cheap_draft, probe_interval=0, explore_interval=0),
                              lambda: FLAT_TOP)
     for _ in range(30):
         plan = ctrl.plan(1, ["a"])
-    # Band (5%): depths 4-8 predicted >= 190; its median depth is 6 (the shallowest, 4, is
-    # 3.5% below the top).
+    # Band (5%): depths 4-8 predicted >= 190; its centre, the depths weighted by their height
+    # above 190 (3, 10, 9, 6, 1), is 5.7: depth 6 (the shallowest, 4, is 3.5% below the top).
     assert plan == Plan(6, 6)
 
 
 def test_prediction_noise_does_not_push_the_plan_off_a_flat_top():
     # Each evaluation sees the flat-topped curve with +-6% noise per depth: the plans run must
-    # stay on the top (>= 99.2% of the best true goodput on average) and rarely (about 1% of
+    # stay on the top (>= 99.2% of the best true goodput on average) and rarely (about 2% of
     # steps) go where the curve has fallen more than 4%. (The shallowest plan within the
-    # margin, the rule before the middle of the band, gets 99.1% here.)
+    # margin, the rule before the sixth session, gets 99.1% here; the band's plain middle
+    # depth, the rule until the ninth, 99.3% with 1.0% of steps below 96%, and the centre
+    # 99.3% with 2.0%: it leans toward the top, here toward the deep end of the band.)
     rng = random.Random(0)
     ctrl = _with_predictions(
         calibrated(flat_verify, cheap_draft, probe_interval=0, explore_interval=0),
@@ -722,13 +724,27 @@ def test_prediction_noise_does_not_push_the_plan_off_a_flat_top():
     plans = [ctrl.plan(1, ["a"]) for _ in range(2000)]
     true = [FLAT_TOP[p.depth] for p in plans]
     assert sum(true) / len(true) >= 0.992 * max(FLAT_TOP.values())
-    assert sum(g < 0.96 * max(FLAT_TOP.values()) for g in true) < 0.0125 * len(plans)
+    assert sum(g < 0.96 * max(FLAT_TOP.values()) for g in true) < 0.025 * len(plans)
+
+
+def test_a_band_that_falls_slower_on_one_side_is_aimed_at_its_centre_not_its_middle():
+    # As predicted at 64 sequences in a server (ninth session): depth 3 on top, the curve
+    # falling slowly toward depth 1 and steeply past 4. Bands [2, 3], [1, 3] and [1, 4]: their
+    # middle depths are 2, 2 and 2; weighted by height above the floor their centres are 3.
+    for curve in ({0: 91.8, 1: 94.9, 2: 98.7, 3: 100, 4: 94.3, 5: 90.6},
+                  {0: 90.1, 1: 95.6, 2: 96.0, 3: 100, 4: 93.0, 5: 92.1},
+                  {0: 91.9, 1: 95.5, 2: 96.4, 3: 100, 4: 95.9, 5: 93.8}):
+        ctrl = _with_predictions(calibrated(flat_verify, cheap_draft, probe_interval=0, explore_interval=0),
+                                 lambda: curve)
+        for _ in range(30):
+            plan = ctrl.plan(64, [f"r{i}" for i in range(64)])
+        assert plan == Plan(3, 3), curve
 
 
 def test_a_far_bump_in_the_estimates_is_not_part_of_the_band():
     # At 64 sequences stale cheap points made depths 7-8 read within the margin of the top
     # (depth 3) past a dip at 5-6: the band is the run of depths around the top, 2-4, and
-    # its middle is 3, not the median of {2, 3, 4, 7, 8} (4), nor its shallowest (2).
+    # its centre is 3, not that of {2, 3, 4, 7, 8} (4.9), nor its shallowest (2).
     curve = {0: 100, 1: 150, 2: 192, 3: 200, 4: 194, 5: 180, 6: 170, 7: 191, 8: 193}
     ctrl = _with_predictions(calibrated(flat_verify, cheap_draft, probe_interval=0, explore_interval=0),
                              lambda: curve)
