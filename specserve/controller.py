@@ -518,7 +518,7 @@ class CostModel:
         # start-up; the rows hold costs as at `reference_context` tokens per sequence.
         # A verify pass's slope is kept per rows per sequence (each row attends over the whole
         # context: on the dev CPU at 64 sequences, 168 more tokens each added 16 ms to a
-        # one-row pass and 26-38 ms to passes of 4-9 rows); a draft level's is one slope.
+        # one-row pass and 26-38 ms to passes of 3-9 rows); a draft level's is one slope.
         self._ctx_verify: dict[int, list[_EmaPoint]] = {}   # x: rows per sequence, t: slope
         self._ctx_draft: dict[int, list[_EmaPoint]] = {}
         self.reference_context = 0
