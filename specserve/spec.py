@@ -228,7 +228,8 @@ class Speculator:
             speculation would look dearer than it is exactly at high load. Per rows, since the
             rise is not one figure: on the dev CPU at 64 sequences, 168 more tokens of context
             each added 16 ms to a one-row pass, 19 ms to two rows and 26-38 ms to 3-9 rows
-            (one slope for all made 3 rows read 1.5x its cost and the plan sat at depth 2)."""
+            (with one slope for all, the rows the plan was not running read 1.1-1.2x their cost
+            beside the one it ran, and the plan sat at depth 2 where 3-4 were best)."""
             if long_context <= context:
                 return {1: 0.0}, 0.0
             span = b * (long_context - context)
@@ -241,12 +242,11 @@ class Speculator:
 
         def paired_difference(runner, b: int, rows: int, pairs: int) -> float:
             """Seconds a pass of `rows` rows per sequence at long_context takes over one at
-            context: the median of
-            `pairs` differences of back-to-back passes. At high load this slope prices most of
-            a pass, so it must not be taken from two separate minima: on a shared machine a
-            slow spell over one of them made it 3x too steep (the sixth session's logs: the
-            context term alone then predicted more than a whole measured pass, and every
-            verify row was read as nearly free, deep plans with it)."""
+            context: the median of `pairs` differences of back-to-back passes. At high load
+            this slope prices most of a pass, so it must not be taken from two separate
+            minima: on a shared machine a slow spell over one of them made it 3x too steep (the
+            sixth session's logs: the context term alone then predicted more than a whole
+            measured pass, and every verify row was read as nearly free, deep plans with it)."""
             short, long = batch(b, rows), batch(b, rows, long_context)
             if rows == 1:   # warm-up (the passes of more rows come after it; the median takes a cold one)
                 runner.forward(short)[-1, 0].item()
