@@ -628,10 +628,15 @@ class CostModel:
         if not self._verify:
             return [0.0] * len(token_counts)
         weights = [(self._verify[b], w) for b, w in _bucket_weights(sorted(self._verify), batch_size)]
+        # The context term: its batch buckets looked up once, its slope read per rows.
+        extra = 0.0 if context_tokens is None else context_tokens - batch_size * self.reference_context
+        slopes = ([(self._ctx_verify[b], w) for b, w in _bucket_weights(sorted(self._ctx_verify), batch_size)]
+                  if extra and self._ctx_verify else [])
         out = []
         for n in token_counts:
             base = sum(w * row.predict(n) for row, w in weights)
-            excess = self._excess_context(self._ctx_verify, batch_size, context_tokens, n / max(1, batch_size))
+            rows = n / max(1, batch_size)
+            excess = extra * sum(w * _slope_at(points, rows) for points, w in slopes)
             out.append(max(0.1 * base, base + excess))
         return out
 
