@@ -125,8 +125,12 @@ class Speculator:
         num_nodes = None
         if self.controller is not None:
             running = scheduler.running
+            # How deep each request can still be drafted: the drafters stop one short of
+            # max_tokens, the scheduler at the context's end.
+            room = self.engine.max_model_len
+            caps = [max(0, min(r.num_tokens_left - 1, room - r.num_tokens)) for r in running]
             chosen = self.controller.plan(max(1, len(running)), [r.request_id for r in running],
-                                          sum(r.num_computed_tokens for r in running))
+                                          sum(r.num_computed_tokens for r in running), caps)
             depth = chosen.depth
             if self.tree_kind == "dynamic" and depth:
                 num_nodes = max(depth, chosen.num_nodes)

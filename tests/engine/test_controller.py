@@ -92,6 +92,34 @@ def test_flat_verify_high_acceptance_goes_deep():
     assert snap["depth_histogram"][plans[-1].depth] > 0
 
 
+def test_requests_near_max_tokens_count_only_the_depth_they_can_still_draft():
+    """A request with two tokens left is drafted one deep at most (the drafters stop one short
+    of max_tokens): deeper positions commit nothing for it and its rows past them are not
+    verified. Where the whole batch is that close to its end, the plan is no deeper than that;
+    a deep plan there costs draft levels for nothing. With one such request in two, each
+    depth's expected tokens are the mean of the capped and the uncapped request's."""
+    rng = random.Random(5)
+    ctrl = calibrated(flat_verify, cheap_draft)
+    simulate(ctrl, 300, 4, 0.9, flat_verify, cheap_draft, rng)
+    ids = [f"r{i}" for i in range(4)]
+    assert ctrl.plan(4, ids).depth >= 6
+    free = ctrl.evaluate(4, ids)
+    capped = ctrl.evaluate(4, ids, None, [1, 1, 1, 1])
+    for d in range(2, 9):
+        assert capped[Plan(d, d)][1] == pytest.approx(capped[Plan(1, 1)][1])   # nothing past depth 1
+        assert capped[Plan(d, d)][0] < capped[Plan(1, 1)][0]                    # and dearer
+        assert capped[Plan(d, d)][1] < free[Plan(d, d)][1]
+    fresh = calibrated(flat_verify, cheap_draft)
+    simulate(fresh, 300, 4, 0.9, flat_verify, cheap_draft, random.Random(5))
+    plans = [fresh.plan(4, ids, None, [1, 1, 1, 1]) for _ in range(12)]
+    assert all(p.depth <= 1 for p in plans[-6:]), plans
+    new = [f"new{i}" for i in range(4)]   # no history of their own: all read the global acceptance
+    free, capped = ctrl.evaluate(4, new), ctrl.evaluate(4, new, None, [1, 1, 1, 1])
+    half = ctrl.evaluate(4, new, None, [8, 1, 8, 1])
+    for d in range(1, 9):
+        assert half[Plan(d, d)][1] == pytest.approx((free[Plan(d, d)][1] + capped[Plan(d, d)][1]) / 2)
+
+
 def test_acceptance_drop_is_followed_within_bounded_steps():
     rng = random.Random(2)
     draft = lambda b: 0.004  # noqa: E731
@@ -235,7 +263,7 @@ def test_guard_holds_plain_decoding_when_speculation_measures_slower():
     # the guard samples, so the bucket is held at depth 0 nearly all the time.
     rng = random.Random(3)
     ctrl = calibrated(compute_bound_verify, cheap_draft, probe_interval=0)
-    ctrl.evaluate = lambda b, ids, ctx=None: {Plan(d, d): (1000.0 if d == 3 else 500.0, 1.0) for d in range(9)}
+    ctrl.evaluate = lambda b, ids, ctx=None, caps=None: {Plan(d, d): (1000.0 if d == 3 else 500.0, 1.0) for d in range(9)}
     plans = simulate(ctrl, 1200, 16, 0.6, compute_bound_verify, cheap_draft, rng)
     assert ctrl.num_guard_trips >= 1
     late = plans[300:]
@@ -249,7 +277,7 @@ def test_guard_also_judges_steps_with_cut_trees():
     # guard must still measure those steps (it once skipped them and never tripped at 64).
     rng = random.Random(6)
     ctrl = calibrated(compute_bound_verify, cheap_draft, probe_interval=0)
-    ctrl.evaluate = lambda b, ids, ctx=None: {Plan(d, d): (1000.0 if d == 3 else 500.0, 1.0) for d in range(9)}
+    ctrl.evaluate = lambda b, ids, ctx=None, caps=None: {Plan(d, d): (1000.0 if d == 3 else 500.0, 1.0) for d in range(9)}
     ids = [f"r{i}" for i in range(64)]
     depths = []
     for _ in range(600):
@@ -285,7 +313,7 @@ def test_guard_leaves_small_batches_to_the_model():
     # the guard does not judge them (the wrong model of the first guard test is not overruled).
     rng = random.Random(5)
     ctrl = calibrated(compute_bound_verify, cheap_draft, probe_interval=0)
-    ctrl.evaluate = lambda b, ids, ctx=None: {Plan(d, d): (1000.0 if d == 3 else 500.0, 1.0) for d in range(9)}
+    ctrl.evaluate = lambda b, ids, ctx=None, caps=None: {Plan(d, d): (1000.0 if d == 3 else 500.0, 1.0) for d in range(9)}
     plans = simulate(ctrl, 400, 2, 0.6, compute_bound_verify, cheap_draft, rng)
     assert ctrl.num_guard_trips == 0 and all(p.depth > 0 for p in plans)
 
@@ -885,7 +913,7 @@ def test_guard_holds_back_off_while_speculation_keeps_losing():
     # speculative steps, which lose again, and the holds double (32, 64, then guard_hold).
     rng = random.Random(3)
     ctrl = calibrated(compute_bound_verify, cheap_draft, probe_interval=0)
-    ctrl.evaluate = lambda b, ids, ctx=None: {Plan(d, d): (1000.0 if d == 3 else 500.0, 1.0) for d in range(9)}
+    ctrl.evaluate = lambda b, ids, ctx=None, caps=None: {Plan(d, d): (1000.0 if d == 3 else 500.0, 1.0) for d in range(9)}
     plans = simulate(ctrl, 800, 16, 0.6, compute_bound_verify, cheap_draft, rng)
     holds, run = [], 0
     for p in plans + [Plan(3, 3)]:
