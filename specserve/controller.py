@@ -1013,7 +1013,8 @@ class AdaptiveController:
         def rows(d: int, n: int) -> int:
             cut = sum(n - c for c in short if c < d and c < n)
             return max(B, round(B * (n + 1) - scale * cut))
-        token_counts = sorted({rows(d, n) for d, budgets in enumerate(all_budgets) for n in budgets})
+        plan_rows = {(d, n): rows(d, n) for d, budgets in enumerate(all_budgets) for n in budgets}
+        token_counts = sorted(set(plan_rows.values()))
         verify = dict(zip(token_counts, self.costs.t_verify_many(B, token_counts, ctx)))
         t_verify0 = verify[B]
         # Before the first draft measurement, guess a draft step at a fraction of a decode
@@ -1035,7 +1036,7 @@ class AdaptiveController:
                 from_paths = self.tree_estimate(d, n) if n > d else None
                 if from_paths is not None:
                     total = from_paths * B
-                cost = t_step + drafts[d] + verify[rows(d, n)]
+                cost = t_step + drafts[d] + verify[plan_rows[d, n]]
                 out[Plan(d, n)] = (total / cost if cost > 0 else 0.0, total / B)
         return out
 
