@@ -23,7 +23,11 @@ from benchmarks import plots
 def load(dirs: list[Path]) -> dict:
     cells: dict = {}
     for d in dirs:
-        for r in json.loads((d / "all_results.json").read_text()):
+        path = d / "all_results.json"
+        if not path.is_file():
+            # The sweep writes it when the round is done: a round still running, or cut off.
+            raise SystemExit(f"sweep_report: {path} not found (is {d} a finished sweep round?)")
+        for r in json.loads(path.read_text()):
             key = (r["config"]["label"], int(r["config"]["max_concurrency"]))
             cells.setdefault(key, []).append(r)
     return cells

@@ -416,3 +416,10 @@ def test_sweep_warms_servers_up_at_its_largest_concurrency():
     assert args.max_concurrency == 64 and args.num_prompts == 64 and args.max_tokens == 16
     args = loadgen.make_parser().parse_args(sweep.warmup_args("http://h:1", "m", 8, [1, 2], []))
     assert args.max_concurrency == 2 and args.num_prompts == 8
+
+def test_sweep_report_names_a_round_that_has_not_finished(tmp_path):
+    from benchmarks import sweep_report
+
+    (tmp_path / "round0").mkdir()   # the sweep writes all_results.json when the round is done
+    with pytest.raises(SystemExit, match="round0.*finished sweep round"):
+        sweep_report.load([tmp_path / "round0"])
