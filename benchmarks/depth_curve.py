@@ -106,11 +106,12 @@ class _Rotation:
         return plan
 
     def observe(self, stats) -> None:
+        self.inner.observe(stats)
         goodput, top, tokens = self._pending or (0.0, 0.0, 0.0)
         self._pending = None
         if stats.batch_size <= 0:   # nothing decoded (the controller skips these too)
-            self.inner.observe(stats)
             return
+        # The steps the controller times as whole (its guard's test): no prefill joined them.
         decode_only = stats.verify_s > 0 and (stats.depth == 0 or stats.draft_s > 0)
         self.steps.append(_Step(
             depth=stats.depth, batch_size=stats.batch_size, decode_only=decode_only,
@@ -119,7 +120,6 @@ class _Rotation:
             predicted_goodput=goodput, predicted_top=top, predicted_tokens=tokens,
             after_switch=self._last_depth is not None and self._last_depth != stats.depth))
         self._last_depth = stats.depth
-        self.inner.observe(stats)
 
 
 def summarize(steps: list[_Step], min_batch: int, step_seconds: dict[int, float] | None = None) -> list[dict]:
