@@ -303,9 +303,40 @@ def test_sweep_report_pools_rounds_and_checks_the_criteria():
     assert by["static1"]["metrics"]["ttft_s"]["median"] in (0.2, 0.1)   # a median-throughput round's own
     assert by["static1"]["metrics"]["pooled_rounds"] == 3
     # Per round adaptive / static1: 150/300, 150/100, 150/100.
-    assert "| 1 | static1 (150) | 1.000 | 0.50-1.50 | 1.500 | 5.0 |" in text
+    assert "| 1 | static1 (150) | 1.000 | 0.50-1.50 | 1.000 (static1) | 1.500 | 5.0 |" in text
     assert "at every concurrency: **yes**" in text
+    assert "picked on the other rounds: **yes**" in text
     assert "adaptive / no speculation = **1.500**" in text
+
+
+def test_sweep_report_picks_the_best_static_out_of_sample():
+    """The best static depth picked on the other rounds and measured on the held-out one: the
+    pick is not the luckiest setting's own rounds, so it can read below the in-sample best."""
+    from benchmarks import sweep_report
+
+    def run(label, tokens):
+        return {"config": {"label": label, "max_concurrency": 4},
+                "metrics": {"output_throughput": float(tokens), "total_output_tokens": tokens,
+                            "duration_s": 1.0, "ttft_s": {"median": 0.1}}}
+
+    cells = {("none", 4): [run("none", 100)] * 3,
+             ("static1", 4): [run("static1", t) for t in (300, 100, 110)],
+             ("static2", 4): [run("static2", t) for t in (200, 210, 200)],
+             ("adaptive", 4): [run("adaptive", 180)] * 3}
+    # Round 0 held out: static2 leads the others (205 vs 105) and ran 200 there; round 1:
+    # static1 (205 vs 200) ran 100; round 2: static2 (205 vs 200) ran 200.
+    throughput, picks = sweep_report.held_out_best(cells, ["static1", "static2"], 4)
+    assert picks == ["static2", "static1", "static2"]
+    assert throughput == pytest.approx(500 / 3)
+    text, _ = sweep_report.report(cells)
+    # In sample the best is static2 (610 / 3 s): 180 / 203.3 = 0.885; held out 180 / 166.7.
+    assert "| 4 | static2 (203) | 0.885 |" in text
+    assert "| 1.080 (static1, static2) |" in text
+    assert "at every concurrency: **no**" in text and "picked on the other rounds: **yes**" in text
+    # One round: nothing to pick out of sample.
+    one = {k: v[:1] for k, v in cells.items()}
+    assert sweep_report.held_out_best(one, ["static1", "static2"], 4) is None
+    assert "picked on the other rounds: **n/a (one round)**" in sweep_report.report(one)[0]
 
 
 def test_cpu_lists_and_pinning_the_server_and_the_client(tmp_path):
