@@ -82,6 +82,30 @@ def held_out_best(cells: dict, statics: list[str], conc: int) -> tuple[float, li
     return _pool([runs[s][i] for i, s in enumerate(picks)]), picks
 
 
+def cell_noise(cells: dict) -> tuple[float, int] | None:
+    """How far one cell's throughput strays on its own: the standard deviation of log output
+    tokens/s about a two-way fit (a level per setting and one per round, at each concurrency),
+    over every concurrency with the same rounds for every setting. A round's common part (the
+    machine's pace that stretch, its prompt draw) cancels in the ratios the checks read; this
+    part does not. Returns (sd, degrees of freedom); None with fewer than two rounds."""
+    import math
+
+    total, dof = 0.0, 0
+    for conc in sorted({c for _, c in cells}):
+        rows = [[math.log(r["metrics"]["output_throughput"]) for r in runs]
+                for (s, c), runs in sorted(cells.items()) if c == conc]
+        if len(rows) < 2 or len({len(r) for r in rows}) != 1 or len(rows[0]) < 2:
+            continue
+        num_settings, num_rounds = len(rows), len(rows[0])
+        grand = sum(map(sum, rows)) / (num_settings * num_rounds)
+        setting_mean = [sum(r) / num_rounds for r in rows]
+        round_mean = [sum(r[j] for r in rows) / num_settings for j in range(num_rounds)]
+        total += sum((rows[i][j] - setting_mean[i] - round_mean[j] + grand) ** 2
+                     for i in range(num_settings) for j in range(num_rounds))
+        dof += (num_settings - 1) * (num_rounds - 1)
+    return (math.sqrt(total / dof), dof) if dof else None
+
+
 def report(cells: dict) -> tuple[str, list[dict]]:
     medians = {k: pooled(v) for k, v in cells.items()}
     settings = sorted({s for s, _ in medians}, key=lambda s: (s != "none", s != "adaptive", s))
@@ -132,6 +156,13 @@ def report(cells: dict) -> tuple[str, list[dict]]:
         f"- repetitions per cell: {min(len(v) for v in cells.values())} (output tokens/s pooled over them; "
         "latencies from the repetition with the median throughput)",
     ]
+    noise = cell_noise(cells)
+    if noise is not None:
+        rounds = min(len(v) for v in cells.values())
+        summary.append(
+            f"- cell noise: {100 * noise[0]:.1f}% (sd of one cell's log throughput about its setting's and its "
+            f"round's levels, {noise[1]} degrees of freedom); a ratio of two settings pooled over {rounds} rounds "
+            f"is good to about +-{100 * noise[0] * (2 / rounds) ** 0.5:.1f}% (one standard error)")
     return "\n".join(lines + checks + summary) + "\n", list(medians.values())
 
 

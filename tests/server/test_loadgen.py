@@ -454,3 +454,27 @@ def test_sweep_report_names_a_round_that_has_not_finished(tmp_path):
     (tmp_path / "round0").mkdir()   # the sweep writes all_results.json when the round is done
     with pytest.raises(SystemExit, match="round0.*finished sweep round"):
         sweep_report.load([tmp_path / "round0"])
+
+
+def test_sweep_report_cell_noise_is_what_setting_and_round_levels_leave():
+    """Two settings x two rounds: levels per setting and per round (any size) cancel; a
+    +-d residual pattern reads as sd 2d on one degree of freedom, and the ratio's standard
+    error over the two rounds as sd x sqrt(2 / 2)."""
+    import math
+
+    from benchmarks import sweep_report
+
+    d = 0.05
+    level = {"static1": math.log(300), "adaptive": math.log(200)}
+    pace = [0.0, math.log(1.7)]                     # the second round ran on a faster stretch
+    sign = {"static1": [1, -1], "adaptive": [-1, 1]}
+
+    def run(label, r):
+        tput = math.exp(level[label] + pace[r] + sign[label][r] * d)
+        return {"config": {"label": label, "max_concurrency": 1},
+                "metrics": {"output_throughput": tput, "total_output_tokens": tput, "duration_s": 1.0}}
+
+    cells = {(s, 1): [run(s, 0), run(s, 1)] for s in level}
+    sd, dof = sweep_report.cell_noise(cells)
+    assert dof == 1 and sd == pytest.approx(2 * d)
+    assert sweep_report.cell_noise({k: v[:1] for k, v in cells.items()}) is None
