@@ -10,8 +10,8 @@ adaptive at every concurrency; at the highest concurrency adaptive is at least 0
 no speculation.
 
 The best static depth of a concurrency is picked by its measured throughput, so its figure is
-the largest of six noisy ones and reads high: where the curve is flat and the noise is 8% a
-cell (the eleventh session's host), the pick alone is worth a few percent. The report
+the largest of six noisy ones and reads high: where the curve is flat and the noise is ~10% a
+cell (the eleventh and twelfth sessions' host), the pick alone is worth a few percent. The report
 therefore also compares adaptive with a best static depth picked out of sample: for each
 round, the depth best on the other rounds, measured on that round (leave one round out,
 pooled over the rounds). That figure reads low where the pick is sometimes wrong, so the
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -47,23 +48,22 @@ def median_run(runs: list[dict]) -> dict:
     return ordered[len(ordered) // 2]
 
 
+def _pool(runs: list[dict]) -> float:
+    """Output tokens/s over all the runs: all their tokens over all their time."""
+    seconds = sum(r["metrics"]["duration_s"] for r in runs)
+    return sum(r["metrics"]["total_output_tokens"] for r in runs) / seconds if seconds > 0 else 0.0
+
+
 def pooled(runs: list[dict]) -> dict:
     """The median repetition (latencies, depth series) with its output throughput replaced by
     the one pooled over every repetition: total output tokens over total duration. On a noisy
     machine one setting's rounds spread by +-15%, and the median of four throws away most of
     what was measured; pooling weighs each round by its length, as one long run would."""
     med = median_run(runs)
-    tokens = sum(r["metrics"]["total_output_tokens"] for r in runs)
-    seconds = sum(r["metrics"]["duration_s"] for r in runs)
-    metrics = dict(med["metrics"], output_throughput=tokens / seconds if seconds > 0 else 0.0,
+    metrics = dict(med["metrics"], output_throughput=_pool(runs),
                    output_throughput_median_round=med["metrics"]["output_throughput"],
                    pooled_rounds=len(runs))
     return dict(med, metrics=metrics)
-
-
-def _pool(runs: list[dict]) -> float:
-    seconds = sum(r["metrics"]["duration_s"] for r in runs)
-    return sum(r["metrics"]["total_output_tokens"] for r in runs) / seconds if seconds > 0 else 0.0
 
 
 def held_out_best(cells: dict, statics: list[str], conc: int) -> tuple[float, list[str]] | None:
@@ -88,8 +88,6 @@ def cell_noise(cells: dict) -> tuple[float, int] | None:
     over every concurrency with the same rounds for every setting. A round's common part (the
     machine's pace that stretch, its prompt draw) cancels in the ratios the checks read; this
     part does not. Returns (sd, degrees of freedom); None with fewer than two rounds."""
-    import math
-
     total, dof = 0.0, 0
     for conc in sorted({c for _, c in cells}):
         rows = [[math.log(r["metrics"]["output_throughput"]) for r in runs]
