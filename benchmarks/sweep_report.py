@@ -120,6 +120,10 @@ def report(cells: dict) -> tuple[str, list[dict]]:
               "|---|---|---|---|---|---|---|"]
     ok_every = True
     ok_held_out: bool | None = True
+
+    def vs_none(c: int) -> str:   # a sweep of some settings only (--settings) may have no "none"
+        return f"{tput[('adaptive', c)] / tput[('none', c)]:.3f}" if ("none", c) in tput else "n/a"
+
     for c in concs:
         best = max(statics, key=lambda s: tput.get((s, c), 0.0))
         ratio = tput[("adaptive", c)] / tput[(best, c)]
@@ -140,7 +144,7 @@ def report(cells: dict) -> tuple[str, list[dict]]:
             held_text = f"{held_ratio:.3f} ({', '.join(sorted(set(held[1])))})"
         checks.append(f"| {c} | {best} ({tput[(best, c)]:.0f}) | {ratio:.3f} | "
                       f"{min(per_round):.2f}-{max(per_round):.2f} | {held_text} | "
-                      f"{tput[('adaptive', c)] / tput[('none', c)]:.3f} | {depth:.1f} |")
+                      f"{vs_none(c)} | {depth:.1f} |")
     dominated = [s for s in statics if all(tput[(s, c)] >= 0.97 * tput[("adaptive", c)] for c in concs)]
     top = concs[-1]
     summary = [
@@ -150,7 +154,7 @@ def report(cells: dict) -> tuple[str, list[dict]]:
         + ("n/a (one round)" if ok_held_out is None else "yes" if ok_held_out else "no") + "**",
         f"- a single static depth within 0.97x of adaptive everywhere: **{', '.join(dominated) or 'none'}**",
         f"- at the highest concurrency ({top}) adaptive / no speculation = "
-        f"**{tput[('adaptive', top)] / tput[('none', top)]:.3f}**",
+        f"**{vs_none(top)}**",
         f"- repetitions per cell: {min(len(v) for v in cells.values())} (output tokens/s pooled over them; "
         "latencies from the repetition with the median throughput)",
     ]
