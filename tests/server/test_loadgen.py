@@ -460,9 +460,8 @@ def test_sweep_report_names_a_round_that_has_not_finished(tmp_path):
 
 
 def test_sweep_report_cell_noise_is_what_setting_and_round_levels_leave():
-    """Two settings x two rounds: levels per setting and per round (any size) cancel; a
-    +-d residual pattern reads as sd 2d on one degree of freedom, and the ratio's standard
-    error over the two rounds as sd x sqrt(2 / 2)."""
+    """Two settings x two rounds: levels per setting and per round (any size) cancel, and a
+    +-d residual pattern reads as sd 2d on one degree of freedom."""
     import math
 
     from benchmarks import sweep_report
