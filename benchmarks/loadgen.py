@@ -320,7 +320,7 @@ async def run_benchmark(args: argparse.Namespace, prompts: list[str]) -> dict:
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         before = await scrape(session, args.base_url.rstrip("/"))
         pbar = tqdm(total=len(prompts), disable=args.no_progress, desc="requests")
-        t0 = time.perf_counter()
+        t0, started_at = time.perf_counter(), time.time()
         stop = asyncio.Event()
 
         async def scraper():
@@ -360,6 +360,8 @@ async def run_benchmark(args: argparse.Namespace, prompts: list[str]) -> dict:
     out = {
         "config": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items()},
         "commit": git_commit(),
+        # Wall-clock bounds of the measured run, to find its steps in a server's step log.
+        "started_at": started_at, "finished_at": started_at + duration,
         "metrics": compute_metrics(results, duration, parse_goodput(args.goodput)),
         "acceptance": acceptance_figures(before, after),
         "depth_series": depth_series,

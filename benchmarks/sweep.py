@@ -143,6 +143,9 @@ def main(argv=None):
                         "disjoint from it, server and client stop trading cores: on the 2-core dev CPU "
                         "that took the difference between two identical servers at 64 requests from "
                         "up to 20%% to 3-7%%")
+    p.add_argument("--step-logs", action="store_true",
+                   help="each server started writes a step log (specserve serve --step-log) to "
+                        "OUT/steps_SETTING[_roundI].jsonl; summarise with benchmarks.step_report")
     p.add_argument("--out-dir", default="results/sweep")
     args = p.parse_args(argv)
     loadgen.pin_to_cpus(args.client_cpus)
@@ -150,6 +153,12 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     running = dict(s.split("=", 1) for s in args.base_url)
     settings = list(running) if running else args.settings
+
+    def overrides(setting: str, suffix: str = "") -> str:
+        flags = SETTINGS[setting]
+        if args.step_logs:
+            flags += " --step-log " + shlex.quote(str((out / f"steps_{setting}{suffix}.jsonl").resolve()))
+        return flags
 
     def run_cell(setting: str, base: str, conc: int, dest: Path, round_index: int = 0) -> dict:
         lg = ["--base-url", base, "--model", args.model, "--max-concurrency", str(conc),
@@ -197,7 +206,7 @@ def main(argv=None):
                 if bases[setting] is None:
                     port = args.port + i
                     bases[setting] = f"http://127.0.0.1:{port}"
-                    procs.append(start_server(args.server_cmd, args.config, port, SETTINGS[setting],
+                    procs.append(start_server(args.server_cmd, args.config, port, overrides(setting, suffix),
                                               out / f"server_{setting}{suffix}.log", args.server_cpus))
                     wait_healthy(bases[setting], procs[-1], args.startup_timeout)
             for setting in settings:
@@ -229,7 +238,7 @@ def main(argv=None):
         base = running.get(setting)
         if base is None:
             base = f"http://127.0.0.1:{args.port}"
-            proc = start_server(args.server_cmd, args.config, args.port, SETTINGS[setting],
+            proc = start_server(args.server_cmd, args.config, args.port, overrides(setting),
                                 out / f"server_{setting}.log", args.server_cpus)
         try:
             wait_healthy(base, proc, args.startup_timeout)

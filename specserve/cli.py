@@ -23,6 +23,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int)
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--cpu-threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--step-log", metavar="PATH", help="append a JSON line per engine step to PATH (specserve/steplog.py)")
 
 
 def _engine_config(args):
@@ -33,7 +34,7 @@ def _engine_config(args):
         "target": args.target, "draft": args.draft, "draft_kind": args.draft_kind, "device": args.device,
         "dtype": args.dtype, "spec_mode": args.spec_mode, "spec_depth": args.spec_depth,
         "spec_tree": args.spec_tree, "num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
-        "cpu_threads": args.cpu_threads,
+        "cpu_threads": args.cpu_threads, "step_log": args.step_log,
     }
     if args.target and not args.draft and not args.draft_kind and not args.config:
         overrides["draft_kind"] = "none"

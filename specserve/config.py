@@ -116,6 +116,8 @@ class EngineConfig(_Section):
     # set for the whole process; false leaves the allocator as it is.
     cpu_heap_malloc: bool = True
     seed: int = 0
+    # A JSON-lines record of every engine step (plan, batch, timings, tokens): specserve/steplog.py.
+    step_log: str | None = None
 
 
 def resolve_path(path: str, base_dir: Path | None = None) -> Path:
@@ -239,7 +241,7 @@ _SHORT_NAMES = {
 
 
 _TOP_LEVEL = ("device", "seed", "cpu_threads", "cpu_parallel_min_rows", "cpu_linear", "cpu_onednn_min_mib",
-              "cpu_heap_malloc")
+              "cpu_heap_malloc", "step_log")
 
 
 def with_overrides(cfg: EngineConfig, **overrides: Any) -> EngineConfig:

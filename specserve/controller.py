@@ -1128,6 +1128,17 @@ class AdaptiveController:
         self._planned = (chosen, self.goodput_estimate)
         return self._record(chosen)
 
+    def fresh_curve(self) -> list[float] | None:
+        """When the last plan came from a fresh evaluation: the predicted goodput of each depth
+        0..max_depth (its best node budget; None where the batch's caps left a depth out),
+        for the step log; None when the plan reused an earlier evaluation."""
+        if self.mode != "adaptive" or self._scores is None or self._since_evaluated != 0:
+            return None
+        best: list[float | None] = [None] * (self.max_depth + 1)
+        for p, (g, _) in self._scores.items():
+            best[p.depth] = max(best[p.depth] or 0.0, g)
+        return best
+
     def _decide(self, scores: dict[Plan, tuple[float, float]]) -> Plan:
         """The plan to run from a fresh evaluation: the centre of the band, with hysteresis."""
         top = max(g for g, _ in scores.values())

@@ -26,6 +26,7 @@ from specserve.runner import CpuThreads, ForwardInput, ModelRunner, slots_for
 from specserve.sampling import SamplingParams, SamplingTensors, make_generator, mask_tokens, sample
 from specserve.scheduler import Scheduler, SchedulerOutput
 from specserve.spec import Plan, make_speculator
+from specserve.steplog import StepLog
 
 logger = logging.getLogger("specserve")
 
@@ -76,6 +77,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True):
         self.config = config
         self.device = _resolve_device(config.device)
+        # Opened first: a path that cannot be written fails before minutes of loading.
+        self.step_log = StepLog(config.step_log) if config.step_log else None
         if self.device.type == "cpu" and config.cpu_heap_malloc:
             # Before anything big is allocated: see cpu_malloc.py (a fresh process's forwards
             # were up to 5x slower until its allocation history raised glibc's thresholds).
@@ -237,6 +240,9 @@ class LLMEngine:
         start = time.perf_counter()
         plan = self.spec.plan(self.scheduler)
         batch = self.scheduler.schedule(plan.num_nodes)
+        # Before the step moves the sequences on: which of them run a prompt chunk.
+        prefills = [s.num_new_tokens for s in batch.seqs if s.num_new_tokens > 1 or not s.is_decode] \
+            if self.step_log is not None else []
         new_tokens = self.spec.run(batch, plan) if plan.num_nodes else self._decode(batch)
         outputs = self._postprocess(batch, new_tokens)
         # A step costs the process from the end of the one before (unless the engine idled
@@ -250,7 +256,28 @@ class LLMEngine:
         since = start if self._last_step_end is None else self._last_step_end
         self._last_step_end = end
         self.spec.end_step(end - since)
+        if self.step_log is not None and not batch.is_empty:
+            self._log_step(plan, len(batch.seqs), prefills, new_tokens, end - since)
         return outputs
+
+    def _log_step(self, plan: Plan, num_seqs: int, prefills: list[int], new_tokens: dict[str, list[int]],
+                  step_s: float) -> None:
+        """One line of the step log (see steplog.py). prefills: the new tokens of each sequence
+        that ran a prompt chunk."""
+        draft_s, verify_s = self.spec.last_timing
+        record = {
+            "t": round(time.time(), 4), "depth": plan.depth, "nodes": plan.num_nodes,
+            "decode": num_seqs - len(prefills), "prefill_seqs": len(prefills), "prefill_tokens": sum(prefills),
+            "emitted": sum(len(t) for t in new_tokens.values()),
+            "draft_s": round(draft_s, 6), "verify_s": round(verify_s, 6), "step_s": round(step_s, 6),
+        }
+        controller = self.spec.controller
+        if controller is not None:
+            record["predicted"] = round(controller.goodput_estimate, 2)
+            curve = controller.fresh_curve()
+            if curve is not None:
+                record["curve"] = [None if g is None else round(g, 2) for g in curve]
+        self.step_log.write(record)
 
     def _decode(self, batch: SchedulerOutput) -> dict[str, list[int]]:
         """Plain step: one target forward over every scheduled row; a token for each sequence

@@ -69,6 +69,7 @@ class NoSpeculation:
 
     def __init__(self):
         self.totals = SpecTotals()
+        self.last_timing = (0.0, 0.0)
 
     def plan(self, scheduler: Scheduler) -> Plan:
         return Plan()
@@ -79,8 +80,8 @@ class NoSpeculation:
     def forget(self, request: Request) -> None:
         pass
 
-    def observe(self, *args, **kwargs) -> None:
-        pass
+    def observe(self, batch: SchedulerOutput, plan: Plan, draft_s: float, verify_s: float, *args, **kwargs) -> None:
+        self.last_timing = (draft_s, verify_s)
 
     def end_step(self, step_s: float) -> None:
         pass
@@ -104,6 +105,7 @@ class Speculator:
         self.tree_kind = spec.tree if drafter.has_kv else "chain"
         self._step_stats = None  # this step's StepStats, completed by end_step()
         self._step_measured_s = 0.0  # its draft + verify time
+        self.last_timing = (0.0, 0.0)  # the last step's draft and verify seconds, prefill or not (the step log)
 
     # -- the plan ------------------------------------------------------------------------
 
@@ -287,6 +289,7 @@ class Speculator:
         rest of the step's time. Steps that also prefill would skew the decode cost model, so
         their timings are left out (their acceptance still counts), as is a draft time that
         is more than plain draft steps (draft_is_typical=False, see run())."""
+        self.last_timing = (draft_s, verify_s)
         if self.controller is None:
             return
         from specserve.controller import StepStats

@@ -1,0 +1,143 @@
+"""Where each sweep cell's time went, from the servers' step logs (sweep --step-logs).
+
+    python -m benchmarks.step_report benchmarks/out/s13a [more sweep dirs] [--concurrency 64]
+
+A sweep dir holds round dirs (round0, round1, ...) or the result files themselves, and the
+step logs steps_SETTING[_roundI].jsonl the sweep's servers wrote (specserve/steplog.py). A
+cell's steps are those that ended between its result file's started_at and finished_at. Per
+setting and concurrency, pooled over cells:
+
+    tok/s      output throughput as the load generator measured it (mean over cells)
+    steps      engine steps per cell; mixed: those that also ran a prompt chunk
+    mixed %    the mixed steps' share of the engine's step time
+    ms/step    mean step time (step_s) of decode-only and of mixed steps
+    tok/seq    tokens emitted per decoding sequence per decode-only step
+    B          mean decoding sequences of a decode-only step
+    ctl ms     step time beyond draft + verify (scheduling, outputs, the controller, the
+               server's share of the core), per step
+    depths     share of step time at each depth (the largest shares)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def load_steps(path: Path) -> list[dict]:
+    steps = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                try:
+                    steps.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue   # a line cut short by a killed server
+    return steps
+
+
+def cells_of(sweep_dir: Path) -> list[tuple[str, int, dict, list[dict]]]:
+    """(setting, concurrency, result, the cell's steps) for every result file with a step log."""
+    out = []
+    round_dirs = sorted(p for p in sweep_dir.glob("round*") if p.is_dir()) or [sweep_dir]
+    logs: dict[Path, list[dict]] = {}
+    for rd in round_dirs:
+        m = re.fullmatch(r"round(\d+)", rd.name)
+        for f in sorted(rd.glob("*_c*.json")):
+            fm = re.fullmatch(r"(.+)_c(\d+)\.json", f.name)
+            if not fm:
+                continue
+            setting, conc = fm.group(1), int(fm.group(2))
+            candidates = ([sweep_dir / f"steps_{setting}_round{m.group(1)}.jsonl"] if m else []) + [
+                sweep_dir / f"steps_{setting}.jsonl"]
+            log = next((c for c in candidates if c.is_file()), None)
+            res = json.loads(f.read_text())
+            if log is None or "started_at" not in res:
+                continue
+            if log not in logs:
+                logs[log] = load_steps(log)
+            lo, hi = res["started_at"], res["finished_at"]
+            out.append((setting, conc, res, [s for s in logs[log] if lo <= s["t"] <= hi]))
+    return out
+
+
+def summarise(cells: list[tuple[str, int, dict, list[dict]]]) -> dict[tuple[str, int], dict]:
+    acc: dict[tuple[str, int], dict] = defaultdict(lambda: defaultdict(float))
+    depth_time: dict[tuple[str, int], dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    for setting, conc, res, steps in cells:
+        a = acc[(setting, conc)]
+        a["cells"] += 1
+        a["tput"] += res["metrics"]["output_throughput"]
+        for s in steps:
+            mixed = s["prefill_seqs"] > 0
+            k = "mix" if mixed else "dec"
+            a[k + "_n"] += 1
+            a[k + "_t"] += s["step_s"]
+            a["rest_t"] += max(0.0, s["step_s"] - s["draft_s"] - s["verify_s"])
+            if not mixed and s["decode"]:
+                a["dec_B"] += s["decode"]
+                a["dec_tok"] += s["emitted"]
+            depth_time[(setting, conc)][s["depth"]] += s["step_s"]
+    rows = {}
+    for key, a in acc.items():
+        n = a["cells"]
+        steps = a["mix_n"] + a["dec_n"]
+        total = a["mix_t"] + a["dec_t"]
+        dt = depth_time[key]
+        rows[key] = {
+            "cells": int(n),
+            "tput": a["tput"] / n,
+            "steps": steps / n,
+            "mixed_steps": a["mix_n"] / n,
+            "mixed_share": a["mix_t"] / total if total else 0.0,
+            "dec_ms": 1e3 * a["dec_t"] / a["dec_n"] if a["dec_n"] else 0.0,
+            "mix_ms": 1e3 * a["mix_t"] / a["mix_n"] if a["mix_n"] else 0.0,
+            "tok_per_seq": a["dec_tok"] / a["dec_B"] if a["dec_B"] else 0.0,
+            "batch": a["dec_B"] / a["dec_n"] if a["dec_n"] else 0.0,
+            "rest_ms": 1e3 * a["rest_t"] / steps if steps else 0.0,
+            "depth_share": {d: t / total for d, t in sorted(dt.items())} if total else {},
+        }
+    return rows
+
+
+def markdown(rows: dict[tuple[str, int], dict]) -> str:
+    lines = ["| requests | setting | cells | tok/s | steps | mixed | mixed % | ms/step dec | ms/step mixed "
+             "| tok/seq | B | ctl ms | depths (share of time) |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for (setting, conc), r in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        top = sorted(r["depth_share"].items(), key=lambda kv: -kv[1])[:4]
+        depths = " ".join(f"{d}:{share:.0%}" for d, share in sorted(top))
+        lines.append(
+            f"| {conc} | {setting} | {r['cells']} | {r['tput']:.0f} | {r['steps']:.0f} | {r['mixed_steps']:.0f} "
+            f"| {100 * r['mixed_share']:.0f} | {r['dec_ms']:.1f} | {r['mix_ms']:.1f} | {r['tok_per_seq']:.2f} "
+            f"| {r['batch']:.1f} | {r['rest_ms']:.1f} | {depths} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.step_report", description=__doc__.split("\n\n")[0])
+    p.add_argument("sweep_dirs", nargs="+", type=Path)
+    p.add_argument("--concurrency", nargs="*", type=int, help="only these concurrencies")
+    p.add_argument("--settings", nargs="*", help="only these settings")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args(argv)
+    cells = [c for d in args.sweep_dirs for c in cells_of(d)]
+    cells = [c for c in cells if (not args.concurrency or c[1] in args.concurrency)
+             and (not args.settings or c[0] in args.settings)]
+    if not cells:
+        print("no result file with started_at and a step log (run the sweep with --step-logs)", file=sys.stderr)
+        return 1
+    rows = summarise(cells)
+    print(markdown(rows), end="")
+    if args.json:
+        args.json.write_text(json.dumps([{"setting": s, "concurrency": c, **r} for (s, c), r in rows.items()], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

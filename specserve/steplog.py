@@ -1,0 +1,54 @@
+"""A JSON-lines record of every engine step, for finding out where a benchmark's time went.
+
+Set `step_log = "PATH"` in the config (or `specserve serve --step-log PATH`). Each step appends
+one object:
+
+    t               wall clock at the step's end (time.time(), to line steps up with a
+                    benchmark's result files)
+    depth, nodes    the plan that ran (0, 0: plain decode)
+    decode          sequences that decoded (verified a tree or sampled one token)
+    prefill_seqs    sequences that ran a prompt chunk in the same target pass
+    prefill_tokens  the prompt tokens of those chunks
+    emitted         tokens the step produced (accepted + bonus, or one per plain row)
+    draft_s         the draft's share of the step (0 when it did not run)
+    verify_s        the target pass (the whole pass, prefill chunks included)
+    step_s          the step's whole cost, from the end of the step before (what the
+                    controller is charged with; the caller's handling of outputs included)
+    predicted       the adaptive controller's predicted tokens/s for the plan (absent: no
+                    adaptive controller)
+    curve           on steps whose plan came from a fresh evaluation: the predicted tokens/s
+                    of each chain depth 0..max_depth (best node budget per depth)
+
+Unlike the controller's own step statistics, steps that also prefill are logged with their
+timings: at high load they are most of the target's time. A line is written per step
+(line-buffered), so a server stopped by a signal loses nothing already done.
+`python -m benchmarks.step_report` summarises the logs a sweep wrote.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import IO
+
+from specserve.errors import ConfigError
+
+
+class StepLog:
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file: IO[str] | None = open(path, "a", buffering=1)
+        except OSError as e:
+            raise ConfigError(f"step_log: cannot write {path}: {e.strerror or e}") from e
+        self.path = path
+
+    def write(self, record: dict) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
