@@ -301,9 +301,7 @@ class LLMEngine:
         self.spec.prefill_draft(batch)
         start = time.perf_counter()
         logits = self.target.forward(inp)
-        if logits is None:
-            return {}
-        tokens = self.sample(logits, decoding)
+        tokens = [] if logits is None else self.sample(logits, decoding)   # None: no row ends a sequence
         self.spec.observe(batch, Plan(), 0.0, time.perf_counter() - start, [], [],
                           context_tokens=sum(s.request.num_computed_tokens for s in batch.seqs))
         return {req.request_id: [t] for req, t in zip(decoding, tokens)}

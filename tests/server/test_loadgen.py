@@ -429,15 +429,22 @@ def test_sweep_restarts_its_servers_every_round_when_asked(tmp_path):
                     "--out-dir", str(tmp_path / out), "--", "--num-prompts", "2", "--no-progress"])
         return pids.read_text().splitlines()
 
-    fresh = run("fresh", "--restart-per-round")
+    fresh = run("fresh", "--restart-per-round", "--step-logs")
     assert len(fresh) == 4 and len({line.split()[0] for line in fresh}) == 4
     assert sum("--draft-kind none" in line for line in fresh) == 2
     assert (tmp_path / "fresh" / "server_none_round1.log").exists()
+    # --step-logs: each server gets a log of its own (benchmarks.step_report finds it by name).
+    for setting in ("none", "static1"):
+        for r in (0, 1):
+            log = tmp_path / "fresh" / f"steps_{setting}_round{r}.jsonl"
+            assert sum(f"--step-log {log}" in line for line in fresh) == 1
     for r in (0, 1):
         cell = json.loads((tmp_path / "fresh" / f"round{r}" / "static1_c1.json").read_text())
         assert cell["metrics"]["num_completed"] == 2
+        assert 0 < cell["finished_at"] - cell["started_at"] == pytest.approx(cell["metrics"]["duration_s"])
     kept = run("kept")
     assert len(kept) == 2 and len({line.split()[0] for line in kept}) == 2
+    assert not any("--step-log" in line for line in kept)
 
 
 def test_sweep_warms_servers_up_at_its_largest_concurrency():
@@ -480,3 +487,48 @@ def test_sweep_report_cell_noise_is_what_setting_and_round_levels_leave():
     sd, dof = sweep_report.cell_noise(cells)
     assert dof == 1 and sd == pytest.approx(2 * d)
     assert sweep_report.cell_noise({k: v[:1] for k, v in cells.items()}) is None
+
+
+def test_step_report_takes_each_cell_apart_from_the_step_logs(tmp_path):
+    """benchmarks.step_report: a cell's steps are the log lines inside its started/finished
+    window, pooled over rounds; its figures are what those lines add up to."""
+    from benchmarks import step_report
+
+    def step(t, depth, decode, emitted, step_s, prefill=0, draft_s=0.0, verify_s=0.0):
+        return {"t": t, "depth": depth, "nodes": depth, "decode": decode, "prefill_seqs": 1 if prefill else 0,
+                "prefill_tokens": prefill, "emitted": emitted, "draft_s": draft_s, "verify_s": verify_s,
+                "step_s": step_s}
+
+    for r, tput in ((0, 100.0), (1, 300.0)):
+        rd = tmp_path / f"round{r}"
+        rd.mkdir()
+        t0 = 1000.0 * (r + 1)
+        (rd / "static2_c4.json").write_text(json.dumps(
+            {"started_at": t0, "finished_at": t0 + 10, "metrics": {"output_throughput": tput}}))
+        lines = [
+            step(t0 - 1, 2, 4, 12, 9.0),                                     # before the cell: not counted
+            step(t0 + 1, 2, 2, 6, 0.3, prefill=50, draft_s=0.05, verify_s=0.2),  # mixed
+            step(t0 + 2, 2, 4, 12, 0.1, draft_s=0.02, verify_s=0.06),        # decode-only, 3 tok/seq
+            step(t0 + 3, 0, 4, 4, 0.1, verify_s=0.08),                       # a plain step, 1 tok/seq
+        ]
+        text = "\n".join(json.dumps(s) for s in lines) + "\n"
+        if r == 1:
+            text += '{"t": 2004, "dep'   # a line cut short by a killed server
+        (tmp_path / f"steps_static2_round{r}.jsonl").write_text(text)
+    # A result file without a step log (or from before the logs) is left out, not an error.
+    (tmp_path / "round0" / "static3_c4.json").write_text(json.dumps({"metrics": {"output_throughput": 1.0}}))
+
+    rows = step_report.summarise(step_report.cells_of(tmp_path))
+    assert set(rows) == {("static2", 4)}
+    r = rows[("static2", 4)]
+    assert r["cells"] == 2 and r["tput"] == pytest.approx(200.0)
+    assert r["steps"] == 3 and r["mixed_steps"] == 1
+    assert r["mixed_share"] == pytest.approx(0.3 / 0.5)
+    assert r["dec_ms"] == pytest.approx(100.0) and r["mix_ms"] == pytest.approx(300.0)
+    assert r["tok_per_seq"] == pytest.approx(16 / 8) and r["batch"] == pytest.approx(4.0)
+    # Beyond draft + verify: 0.05, 0.02 and 0.02 s of the three steps.
+    assert r["rest_ms"] == pytest.approx(1e3 * 0.09 / 3)
+    assert r["depth_share"] == pytest.approx({2: 0.8, 0: 0.2})
+    table = step_report.markdown(rows)
+    assert "| 4 | static2 | 2 | 200 | 3 | 1 | 60 |" in table
+    assert step_report.main([str(tmp_path / "round0" / "nothing")]) == 1
