@@ -361,6 +361,32 @@ def _pool_adjacent_violators(points: list[_EmaPoint]) -> None:
         i += n
 
 
+# How far a row's interior points are pulled toward the straight line through their two
+# neighbours when read (0: as measured, 1: onto it). A verify pass over r rows per sequence
+# costs close to a + b * r on the CPU (64 sequences: 65, 86, 94, 114, 136, 153, 170, 184, 201
+# ms for 1..9 rows, medians of 7 interleaved runs) and flat-then-linear on a GPU, but one
+# calibration measured the steps between 2..6 rows as 11.2, 1.1, 23.4, 0.0 ms and another
+# as 7.0, 13.4, 7.9, 18.0: a zigzag of single points, each a dip in the predicted goodput
+# curve that the band does not cross. In a 64-request sweep cell the plan sat at depth 1
+# behind such a dip at depth 2 for 60% of the cell (the thirteenth session's step logs).
+# Half the way damps a lone bump or a zigzag to half, and leaves a straight row and a row's
+# ends as they are.
+_ROW_SMOOTHING = 0.5
+
+def _smooth_interior(points: list[_EmaPoint], weight: float) -> None:
+    """Move each interior point's t `weight` of the way to the line through its two
+    neighbours (their values before this pass), in place; points sorted by x."""
+    if weight <= 0 or len(points) < 3:
+        return
+    ts = [p.t for p in points]
+    for i in range(1, len(points) - 1):
+        lo, p, hi = points[i - 1], points[i], points[i + 1]
+        if hi.x <= lo.x:
+            continue
+        line = ts[i - 1] + (ts[i + 1] - ts[i - 1]) * (p.x - lo.x) / (hi.x - lo.x)
+        p.t = ts[i] + weight * (line - ts[i])
+
+
 # How far one comparison with a neighbouring point (a measurement right after the row measured
 # another point) moves a point's reference: explorations come one step in 16, so each counts,
 # but one taken just as a slow spell ends is off by the spell.
@@ -410,6 +436,7 @@ class _Row:
                 out.append(_EmaPoint(p.x, p.t * self.level / p.level * self.standin_ratio))
             else:                  # measured: its place in the row's shape, at today's level
                 out.append(_EmaPoint(p.x, p.ref * self.level))
+        _smooth_interior(out, _ROW_SMOOTHING)
         _pool_adjacent_violators(out)
         self._current = out
         self._xs = [q.x for q in out]

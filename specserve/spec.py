@@ -208,6 +208,26 @@ class Speculator:
             measured[key] = best
             return best
 
+        def run_rows(runner, batch_size: int, rows: list[int], rounds: int = 3) -> None:
+            """Every row count of one batch size, measured in rounds (each round runs every
+            count once, the order reversed every other round) and read as each count's fastest;
+            run() then answers from these. Timed back to back, a count's passes all fell in
+            whatever spell the machine was in: calibrating twice on the dev CPU, 64 sequences,
+            the step from 3 to 4 rows and from 4 to 5 read 12.5 and 10.1 ms, then 1.1 and 23.4
+            (the true steps: 15-20 ms each), and such a kink is a dip in the predicted goodput
+            that the plan does not cross."""
+            inputs = {r: batch(batch_size, r) for r in rows}
+            for r in rows:   # warm-up
+                runner.forward(inputs[r])[-1, 0].item()
+            best = dict.fromkeys(rows, float("inf"))
+            for k in range(rounds):
+                for r in (rows if k % 2 == 0 else rows[::-1]):
+                    start = time.perf_counter()
+                    runner.forward(inputs[r])[-1, 0].item()
+                    best[r] = min(best[r], time.perf_counter() - start)
+            for r in rows:
+                measured[(id(runner), batch_size, r, context)] = best[r]
+
         budget = self.config.scheduler.max_num_batched_tokens  # no step is ever larger
         # Every power-of-two batch bucket gets a row of its own: a bucket first seen online would
         # otherwise extrapolate its verify cost from its own two or three noisy points.
@@ -272,6 +292,7 @@ class Speculator:
         for b in sizes:  # one size at a time, so each keeps only the node counts that fit the budget
             fine = b <= fine_batch
             verify_nodes = [n for n in fine_nodes if b * (n + 1) <= budget]
+            run_rows(engine.target, b, [n + 1 for n in verify_nodes])
             self.controller.calibrate(
                 lambda b, num_tokens: run(engine.target, b, num_tokens // b), measure_draft,
                 batch_sizes=[b], nodes_per_seq=verify_nodes,

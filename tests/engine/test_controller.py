@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from specserve.controller import AdaptiveController, CostModel, Plan, StepStats, tree_expected_accepted
+from specserve.controller import (_ROW_SMOOTHING, AdaptiveController, CostModel, Plan, StepStats,
+                                  tree_expected_accepted)
 
 
 def flat_verify(batch_size, num_tokens):
@@ -209,9 +210,12 @@ def test_calibrated_draft_costs_stand_in_until_the_engine_runs_that_depth():
     assert cm.t_draft_total(16, 3) == pytest.approx(0.012)
     assert cm.t_draft_total(16, 8) == pytest.approx(0.032)
     cm.observe_draft_total(16, 3, 0.009)
-    assert cm.t_draft_total(16, 3) == pytest.approx(0.009)
     # Two replaced (2x, 1.5x): the last stand-in reads their mean ratio.
     assert cm.t_draft_total(16, 8) == pytest.approx(0.016 * 1.75)
+    # Depth 3 reads its own measurement, taken _ROW_SMOOTHING of the way to the line through
+    # its neighbours (depth 1 measured, depth 8 the stand-in).
+    line = 0.004 + (0.016 * 1.75 - 0.004) * 2 / 7
+    assert cm.t_draft_total(16, 3) == pytest.approx(0.009 + _ROW_SMOOTHING * (line - 0.009))
 
 
 def test_verify_points_are_kept_per_rows_per_sequence():
@@ -229,16 +233,43 @@ def test_verify_points_are_kept_per_rows_per_sequence():
 def test_a_point_reading_cheaper_than_a_smaller_pass_is_pooled_with_it():
     # 7 rows per sequence measured long ago (or in a fast spell) below 6: read as they stand,
     # depth 7 would look cheaper than depth 6 and the plan would jump past it. Costs are made
-    # non-decreasing in the rows (isotonic): the two read as their mean, the others unchanged.
+    # non-decreasing in the rows (isotonic), after the interior points are smoothed: the two
+    # read as their mean, the others as smoothed (the ends as measured).
     cm = CostModel()
-    for rows, t in ((1, 0.010), (2, 0.012), (6, 0.030), (7, 0.026), (9, 0.040)):
+    for rows, t in ((1, 0.010), (2, 0.012), (6, 0.030), (7, 0.026)):
         cm.observe_verify(16, 16 * rows, t, track_level=False)
-    assert cm.t_verify(16, 16 * 6) == pytest.approx(0.028)
-    assert cm.t_verify(16, 16 * 7) == pytest.approx(0.028)
-    assert cm.t_verify(16, 16 * 2) == pytest.approx(0.012)
-    assert cm.t_verify(16, 16 * 9) == pytest.approx(0.040)
+    w = _ROW_SMOOTHING
+    two = 0.012 + w * ((0.010 + 0.020 / 5) - 0.012)          # toward the line from 1 to 6 rows
+    six = 0.030 + w * ((0.012 + 0.014 * 4 / 5) - 0.030)      # toward the line from 2 to 7 rows
+    assert six > 0.026
+    assert cm.t_verify(16, 16 * 6) == pytest.approx((six + 0.026) / 2)
+    assert cm.t_verify(16, 16 * 7) == pytest.approx((six + 0.026) / 2)
+    assert cm.t_verify(16, 16 * 2) == pytest.approx(two)
+    assert cm.t_verify(16, 16 * 1) == pytest.approx(0.010)
     costs = [cm.t_verify(16, 16 * r) for r in range(1, 10)]
     assert costs == sorted(costs)
+
+
+def test_a_zigzag_of_single_points_is_damped_and_a_straight_row_kept():
+    # Calibration noise on a straight row: every other point 20% high. Read with each point
+    # halfway to the line through its neighbours, the steps between rows vary far less and no
+    # point stands out of its neighbours' line by more than half as much as before.
+    true = [0.030 + 0.010 * r for r in range(1, 10)]
+    noisy = [t * (1.2 if r % 2 == 0 else 1.0) for r, t in zip(range(1, 10), true)]
+    cm = CostModel()
+    for r, t in zip(range(1, 10), noisy):
+        cm.observe_verify(16, 16 * r, t, track_level=False)
+    read = [cm.t_verify(16, 16 * r) for r in range(1, 10)]
+    steps = [b - a for a, b in zip(read, read[1:])]
+    raw_steps = [b - a for a, b in zip(noisy, noisy[1:])]
+    assert max(steps) - min(steps) < 0.6 * (max(raw_steps) - min(raw_steps))
+    def kinks(ts):
+        return [abs(ts[i] - (ts[i - 1] + ts[i + 1]) / 2) for i in range(1, len(ts) - 1)]
+    assert max(kinks(read)) <= 0.5 * max(kinks(noisy))
+    straight = CostModel()
+    for r, t in zip(range(1, 10), true):
+        straight.observe_verify(16, 16 * r, t, track_level=False)
+    assert [straight.t_verify(16, 16 * r) for r in range(1, 10)] == pytest.approx(true)
 
 
 def test_trees_cut_near_max_tokens_count_only_what_ran():
@@ -925,3 +956,34 @@ def test_guard_holds_back_off_while_speculation_keeps_losing():
         run = 0
     assert len(holds) >= 4
     assert holds[0] <= 40 and 56 <= holds[1] <= 72 and all(120 <= h <= 136 for h in holds[2:-1])
+
+
+def test_noisy_costs_do_not_hold_the_plan_away_from_the_best_depth():
+    # A CPU-like row (a verify pass costs a + b * rows) timed with 15% noise, at start-up and
+    # every step. Each point's noise is a bump or a dip in the predicted goodput curve, and a
+    # dip next to the plan holds it on its side. Read with the rows smoothed, every one of 12
+    # runs stays near the best depth (without: the worst ran 0.87x of it).
+    import math
+
+    def verify(b, t):
+        return 0.045 + 0.017 * t / 64
+
+    def draft(b):
+        return 0.008
+
+    a, batch = 0.9, 64
+    top = max(true_goodput(d, batch, a, verify, draft) for d in range(9))
+    ratios = []
+    for seed in range(12):
+        noise = random.Random(100 + seed)
+
+        def noisy(b, t):
+            return verify(b, t) * math.exp(noise.gauss(0, 0.15))
+
+        ctrl = AdaptiveController()
+        ctrl.calibrate(noisy, draft, batch_sizes=[batch], nodes_per_seq=range(9))
+        plans = simulate(ctrl, 300, batch, a, noisy, draft, random.Random(seed))
+        tail = plans[-250:]
+        ratios.append(sum(true_goodput(p.depth, batch, a, verify, draft) for p in tail) / len(tail) / top)
+    assert min(ratios) >= 0.96
+    assert sum(ratios) / len(ratios) >= 0.99

@@ -53,13 +53,13 @@ def test_every_step_is_logged_and_accounts_for_prompts_and_outputs(target, tmp_p
         assert all(s["depth"] == 0 and s["draft_s"] == 0 for s in steps)
         assert any(s["prefill_seqs"] and s["decode"] for s in steps)   # a mixed step, timed too
         assert all(s["emitted"] == s["decode"] for s in decode_only)
-    else:
+    if setting == "static3":
         # A perfect draft: every decode-only step emits depth + 1 tokens per sequence (less
-        # only where a request's last tokens cap its tree).
-        assert any(s["draft_s"] > 0 for s in decode_only)
+        # only where a request's last tokens cap its tree). (Whether the adaptive controller
+        # speculates on this toy model depends on the machine's timings.)
+        assert all(s["draft_s"] > 0 for s in decode_only)
         full = [s for s in decode_only if s["emitted"] == s["decode"] * (s["depth"] + 1)]
         assert len(full) >= len(decode_only) // 2
-    if setting == "static3":
         assert all(s["depth"] == 3 for s in decode_only if s["emitted"] > s["decode"])
         assert not any("predicted" in s or "curve" in s for s in steps)
     if setting == "adaptive":
