@@ -105,6 +105,68 @@ def summarise(cells: list[tuple[str, int, dict, list[dict]]]) -> dict[tuple[str,
     return rows
 
 
+def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -> dict[int, dict]:
+    """Per concurrency, the goodput curve over depth as the fixed settings measured it beside
+    what the adaptive controller predicted. Only decode-only steps with at least `full` x the
+    concurrency decoding count (a cell's ramp and tail say little about the depth).
+
+    measured[d]   tokens/s of such steps of the setting that ran depth d throughout (none: 0)
+    predicted[d]  the mean over the adaptive controller's fresh evaluations at such steps of
+                  its predicted goodput at depth d relative to its best depth then
+    share[d]      the share of the adaptive cells' decode-only step time at depth d
+    """
+    acc: dict[int, dict] = defaultdict(lambda: {"tok": defaultdict(float), "sec": defaultdict(float),
+                                                 "pred": defaultdict(float), "evals": 0,
+                                                 "share": defaultdict(float)})
+    for setting, conc, _res, steps in cells:
+        a = acc[conc]
+        fixed = 0 if setting == "none" else (int(setting[6:]) if re.fullmatch(r"static\d+", setting) else None)
+        for s in steps:
+            if s["prefill_seqs"] or s["decode"] < full * conc:
+                continue
+            if fixed is not None and s["depth"] == fixed:
+                a["tok"][fixed] += s["emitted"]
+                a["sec"][fixed] += s["step_s"]
+            elif setting == "adaptive":
+                a["share"][s["depth"]] += s["step_s"]
+                curve = s.get("curve")
+                if curve and max((g for g in curve if g is not None), default=0) > 0:
+                    top = max(g for g in curve if g is not None)
+                    for d, g in enumerate(curve):
+                        if g is not None:
+                            a["pred"][d] += g / top
+                    a["evals"] += 1
+    out = {}
+    for conc, a in sorted(acc.items()):
+        total = sum(a["share"].values())
+        out[conc] = {
+            "measured": {d: a["tok"][d] / a["sec"][d] for d in sorted(a["sec"]) if a["sec"][d] > 0},
+            "predicted": {d: v / a["evals"] for d, v in sorted(a["pred"].items())} if a["evals"] else {},
+            "share": {d: t / total for d, t in sorted(a["share"].items())} if total else {},
+            "evaluations": a["evals"],
+        }
+    return out
+
+
+def curves_markdown(cs: dict[int, dict]) -> str:
+    lines = []
+    for conc, c in cs.items():
+        m, p, sh = c["measured"], c["predicted"], c["share"]
+        depths = sorted(set(m) | set(p) | set(sh))
+        if not depths:
+            continue
+        top = max(m.values(), default=0.0)
+        lines += [f"\n{conc} requests (decode-only steps with >= {0.75 * conc:g} decoding; "
+                  f"{c['evaluations']} adaptive evaluations)\n",
+                  "| depth | " + " | ".join(str(d) for d in depths) + " |",
+                  "|---|" + "---:|" * len(depths),
+                  "| fixed setting, tok/s | " + " | ".join(f"{m[d]:.0f}" if d in m else "" for d in depths) + " |",
+                  "| same, / best | " + " | ".join(f"{m[d] / top:.2f}" if d in m and top else "" for d in depths) + " |",
+                  "| adaptive predicted, / its best | " + " | ".join(f"{p[d]:.2f}" if d in p else "" for d in depths) + " |",
+                  "| adaptive time share | " + " | ".join(f"{sh[d]:.0%}" if d in sh else "" for d in depths) + " |"]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(rows: dict[tuple[str, int], dict]) -> str:
     lines = ["| requests | setting | cells | tok/s | steps | mixed | mixed % | ms/step dec | ms/step mixed "
              "| tok/seq | B | ctl ms | depths (share of time) |",
@@ -124,6 +186,9 @@ def main(argv=None) -> int:
     p.add_argument("sweep_dirs", nargs="+", type=Path)
     p.add_argument("--concurrency", nargs="*", type=int, help="only these concurrencies")
     p.add_argument("--settings", nargs="*", help="only these settings")
+    p.add_argument("--curves", action="store_true",
+                   help="also, per concurrency, the goodput over depth as the fixed settings measured "
+                        "it beside the adaptive controller's predicted curve and where it ran")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     cells = [c for d in args.sweep_dirs for c in cells_of(d)]
@@ -134,6 +199,8 @@ def main(argv=None) -> int:
         return 1
     rows = summarise(cells)
     print(markdown(rows), end="")
+    if args.curves:
+        print(curves_markdown(curves(cells)), end="")
     if args.json:
         args.json.write_text(json.dumps([{"setting": s, "concurrency": c, **r} for (s, c), r in rows.items()], indent=1))
     return 0

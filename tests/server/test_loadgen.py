@@ -532,3 +532,40 @@ def test_step_report_takes_each_cell_apart_from_the_step_logs(tmp_path):
     table = step_report.markdown(rows)
     assert "| 4 | static2 | 2 | 200 | 3 | 1 | 60 |" in table
     assert step_report.main([str(tmp_path / "round0" / "nothing")]) == 1
+
+
+def test_step_report_curves_put_measured_depths_beside_the_prediction(tmp_path):
+    """step_report --curves: per concurrency, the fixed settings' tokens/s over full-batch
+    decode-only steps by depth, the adaptive controller's predicted curve relative to its
+    best (mean over its fresh evaluations), and where it ran."""
+    from benchmarks import step_report
+
+    def step(t, depth, decode, emitted, step_s, prefill=0, curve=None):
+        s = {"t": t, "depth": depth, "nodes": depth, "decode": decode, "prefill_seqs": 1 if prefill else 0,
+             "prefill_tokens": prefill, "emitted": emitted, "draft_s": 0.0, "verify_s": 0.5 * step_s,
+             "step_s": step_s}
+        if curve is not None:
+            s.update(predicted=max(curve), curve=curve)
+        return s
+
+    logs = {
+        "none": [step(1, 0, 4, 4, 0.01), step(2, 0, 4, 4, 0.01)],                      # 400 tok/s
+        "static2": [step(1, 2, 4, 12, 0.02), step(2, 2, 2, 6, 0.001),                  # 600; B=2 < 3: left out
+                    step(3, 2, 4, 12, 0.5, prefill=100)],                              # a mixed step: left out
+        "adaptive": [step(1, 2, 4, 12, 0.03, curve=[100.0, 200.0, 400.0]),
+                     step(2, 1, 4, 8, 0.01, curve=[100.0, 400.0, 200.0]),
+                     step(3, 1, 4, 8, 0.01)],
+    }
+    (tmp_path / "round0").mkdir()
+    for setting, steps in logs.items():
+        (tmp_path / "round0" / f"{setting}_c4.json").write_text(json.dumps(
+            {"started_at": 0.5, "finished_at": 10, "metrics": {"output_throughput": 1.0}}))
+        (tmp_path / f"steps_{setting}_round0.jsonl").write_text("\n".join(json.dumps(s) for s in steps))
+    c = step_report.curves(step_report.cells_of(tmp_path))[4]
+    assert c["measured"] == pytest.approx({0: 400.0, 2: 600.0})
+    assert c["predicted"] == pytest.approx({0: 0.25, 1: 0.75, 2: 0.75})
+    assert c["share"] == pytest.approx({1: 0.4, 2: 0.6})
+    assert c["evaluations"] == 2
+    table = step_report.curves_markdown({4: c})
+    assert "| fixed setting, tok/s | 400 |  | 600 |" in table
+    assert "| adaptive time share |  | 40% | 60% |" in table
