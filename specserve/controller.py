@@ -64,7 +64,10 @@ rows per sequence (``n + 1``) and a draft point per depth, each an EMA of the ti
 the exact ``T`` it saw. Queries interpolate piecewise-linearly between measured points,
 made non-decreasing first (isotonic: a point reading cheaper than a smaller pass is averaged
 with it; more rows or more levels never cost less, and such a fall is a stale point or a
-spell that would make the plans past it look cheap), extrapolate with
+spell that would make the plans past it look cheap) and before that smoothed (each interior
+point read halfway to the line through its two neighbours: the true rows are close to
+straight, and a single point measured high by noise is a dip in the predicted goodput that
+the plan does not cross; see ``_ROW_SMOOTHING``), extrapolate with
 the last segment's slope (never negative) beyond the largest, and interpolate in ``log2 B``
 between batch buckets. :meth:`AdaptiveController.calibrate` warm-starts every power-of-two
 batch bucket at start-up from a short measurement (spec.py: every chain length at every
@@ -372,6 +375,7 @@ def _pool_adjacent_violators(points: list[_EmaPoint]) -> None:
 # Half the way damps a lone bump or a zigzag to half, and leaves a straight row and a row's
 # ends as they are.
 _ROW_SMOOTHING = 0.5
+
 
 def _smooth_interior(points: list[_EmaPoint], weight: float) -> None:
     """Move each interior point's t `weight` of the way to the line through its two

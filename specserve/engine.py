@@ -240,9 +240,15 @@ class LLMEngine:
         start = time.perf_counter()
         plan = self.spec.plan(self.scheduler)
         batch = self.scheduler.schedule(plan.num_nodes)
-        # Before the step moves the sequences on: which of them run a prompt chunk.
-        prefills = [s.num_new_tokens for s in batch.seqs if s.num_new_tokens > 1 or not s.is_decode] \
-            if self.step_log is not None else []
+        # Before the step moves the sequences on: which of them run a prompt chunk, and the
+        # contexts of the others.
+        prefills, contexts = [], []
+        if self.step_log is not None:
+            for s in batch.seqs:
+                if s.num_new_tokens > 1 or not s.is_decode:
+                    prefills.append(s.num_new_tokens)
+                else:
+                    contexts.append(s.request.num_computed_tokens)
         new_tokens = self.spec.run(batch, plan) if plan.num_nodes else self._decode(batch)
         outputs = self._postprocess(batch, new_tokens)
         # A step costs the process from the end of the one before (unless the engine idled
@@ -257,17 +263,18 @@ class LLMEngine:
         self._last_step_end = end
         self.spec.end_step(end - since)
         if self.step_log is not None and not batch.is_empty:
-            self._log_step(plan, len(batch.seqs), prefills, new_tokens, end - since)
+            self._log_step(plan, prefills, contexts, new_tokens, end - since)
         return outputs
 
-    def _log_step(self, plan: Plan, num_seqs: int, prefills: list[int], new_tokens: dict[str, list[int]],
+    def _log_step(self, plan: Plan, prefills: list[int], contexts: list[int], new_tokens: dict[str, list[int]],
                   step_s: float) -> None:
         """One line of the step log (see steplog.py). prefills: the new tokens of each sequence
-        that ran a prompt chunk."""
+        that ran a prompt chunk; contexts: the cached tokens of each sequence that decoded."""
         draft_s, verify_s = self.spec.last_timing
         record = {
             "t": round(time.time(), 4), "depth": plan.depth, "nodes": plan.num_nodes,
-            "decode": num_seqs - len(prefills), "prefill_seqs": len(prefills), "prefill_tokens": sum(prefills),
+            "decode": len(contexts), "prefill_seqs": len(prefills), "prefill_tokens": sum(prefills),
+            "context": sum(contexts), "context_max": max(contexts, default=0),
             "emitted": sum(len(t) for t in new_tokens.values()),
             "draft_s": round(draft_s, 6), "verify_s": round(verify_s, 6), "step_s": round(step_s, 6),
         }

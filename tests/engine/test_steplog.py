@@ -13,7 +13,8 @@ from specserve.errors import ConfigError
 from tests.checkpoints import make_checkpoint
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 10, 11, 12, 13, 10, 11], [200 + i for i in range(17)], [40, 41]]
-KEYS = {"t", "depth", "nodes", "decode", "prefill_seqs", "prefill_tokens", "emitted", "draft_s", "verify_s", "step_s"}
+KEYS = {"t", "depth", "nodes", "decode", "prefill_seqs", "prefill_tokens", "context", "context_max", "emitted",
+        "draft_s", "verify_s", "step_s"}
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,11 @@ def test_every_step_is_logged_and_accounts_for_prompts_and_outputs(target, tmp_p
         assert s["emitted"] <= s["decode"] * (s["depth"] + 1) + s["prefill_seqs"]
     decode_only = [s for s in steps if s["prefill_seqs"] == 0]
     assert decode_only
+    # Contexts: the first decode step of a lone prompt reads its prompt; they only grow.
+    for s in steps:
+        assert s["decode"] * s["context_max"] >= s["context"] >= s["context_max"] >= (1 if s["decode"] else 0)
+    assert max(s["context_max"] for s in steps) >= max(map(len, PROMPTS))
+    assert max(s["context_max"] for s in steps) < max(map(len, PROMPTS)) + 12
     if setting == "none":
         assert all(s["depth"] == 0 and s["draft_s"] == 0 for s in steps)
         assert any(s["prefill_seqs"] and s["decode"] for s in steps)   # a mixed step, timed too
