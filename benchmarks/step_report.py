@@ -167,6 +167,35 @@ def curves_markdown(cs: dict[int, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot_curves(cs: dict[int, dict], out: Path) -> Path:
+    """One panel per concurrency: the fixed settings' measured tokens/s over depth and the
+    adaptive controller's predicted curve, both relative to their best, and the share of its
+    time at each depth as bars."""
+    from benchmarks.plots import plt
+
+    concs = [c for c in cs if cs[c]["measured"] or cs[c]["predicted"]]
+    fig, axes = plt.subplots(1, len(concs), figsize=(3.2 * len(concs), 3.6), sharey=True, squeeze=False)
+    for ax, conc in zip(axes[0], concs):
+        c = cs[conc]
+        if c["share"]:
+            ax.bar(list(c["share"]), list(c["share"].values()), color="0.85", label="adaptive time share")
+        m = c["measured"]
+        if m:
+            top = max(m.values())
+            ax.plot(list(m), [v / top for v in m.values()], "o-", label="measured (fixed depth)")
+        if c["predicted"]:
+            ax.plot(list(c["predicted"]), list(c["predicted"].values()), "s--", label="adaptive predicted")
+        ax.set_title(f"{conc} requests")
+        ax.set_xlabel("depth")
+        ax.set_ylim(0, 1.05)
+    axes[0][0].set_ylabel("goodput / best (bars: share of time)")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def markdown(rows: dict[tuple[str, int], dict]) -> str:
     lines = ["| requests | setting | cells | tok/s | steps | mixed | mixed % | ms/step dec | ms/step mixed "
              "| tok/seq | B | ctl ms | depths (share of time) |",
@@ -189,6 +218,7 @@ def main(argv=None) -> int:
     p.add_argument("--curves", action="store_true",
                    help="also, per concurrency, the goodput over depth as the fixed settings measured "
                         "it beside the adaptive controller's predicted curve and where it ran")
+    p.add_argument("--plot", type=Path, help="with --curves: also draw them into this PNG")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     cells = [c for d in args.sweep_dirs for c in cells_of(d)]
@@ -200,7 +230,10 @@ def main(argv=None) -> int:
     rows = summarise(cells)
     print(markdown(rows), end="")
     if args.curves:
-        print(curves_markdown(curves(cells)), end="")
+        cs = curves(cells)
+        print(curves_markdown(cs), end="")
+        if args.plot:
+            print(plot_curves(cs, args.plot))
     if args.json:
         args.json.write_text(json.dumps([{"setting": s, "concurrency": c, **r} for (s, c), r in rows.items()], indent=1))
     return 0

@@ -569,3 +569,5 @@ def test_step_report_curves_put_measured_depths_beside_the_prediction(tmp_path):
     table = step_report.curves_markdown({4: c})
     assert "| fixed setting, tok/s | 400 |  | 600 |" in table
     assert "| adaptive time share |  | 40% | 60% |" in table
+    png = step_report.plot_curves({4: c}, tmp_path / "curves.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
