@@ -194,19 +194,17 @@ class Speculator:
 
         measured: dict[tuple, float] = {}   # the context slopes reuse the short passes
 
+        def pass_time(runner, inp: ForwardInput) -> float:
+            start = time.perf_counter()
+            runner.forward(inp)[-1, 0].item()  # wait for the device
+            return time.perf_counter() - start
+
         def run(runner, batch_size: int, rows_per_seq: int, ctx: int = context) -> float:
             key = (id(runner), batch_size, rows_per_seq, ctx)
-            if key in measured:
-                return measured[key]
-            inp = batch(batch_size, rows_per_seq, ctx)
-            best = float("inf")
-            for _ in range(3):  # the first run warms up; keep the fastest
-                start = time.perf_counter()
-                logits = runner.forward(inp)
-                logits[-1, 0].item()  # wait for the device
-                best = min(best, time.perf_counter() - start)
-            measured[key] = best
-            return best
+            if key not in measured:   # the first run warms up; keep the fastest
+                inp = batch(batch_size, rows_per_seq, ctx)
+                measured[key] = min(pass_time(runner, inp) for _ in range(3))
+            return measured[key]
 
         def run_rows(runner, batch_size: int, rows: list[int], rounds: int = 3) -> None:
             """Every row count of one batch size, measured in rounds (each round runs every
@@ -218,13 +216,11 @@ class Speculator:
             that the plan does not cross."""
             inputs = {r: batch(batch_size, r) for r in rows}
             for r in rows:   # warm-up
-                runner.forward(inputs[r])[-1, 0].item()
+                pass_time(runner, inputs[r])
             best = dict.fromkeys(rows, float("inf"))
             for k in range(rounds):
                 for r in (rows if k % 2 == 0 else rows[::-1]):
-                    start = time.perf_counter()
-                    runner.forward(inputs[r])[-1, 0].item()
-                    best[r] = min(best[r], time.perf_counter() - start)
+                    best[r] = min(best[r], pass_time(runner, inputs[r]))
             for r in rows:
                 measured[(id(runner), batch_size, r, context)] = best[r]
 
