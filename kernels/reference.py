@@ -59,7 +59,28 @@ def paged_attention(
         cu[i + 1] - cu[i] == cu[1] for i in range(num_seqs)
     ):
         return _uniform_batch_attention(q, k_cache, v_cache, meta, scale, seq_lens, cu[1])
-    for i, seq_len in enumerate(seq_lens):
+    looped = range(num_seqs)
+    if num_seqs > 2 and q.dtype != torch.float64:
+        # A mixed batch: sequences with the same few query rows (the decoding ones beside a
+        # prompt chunk, or chains verified at one depth beside one cut short near its
+        # max_tokens) still go through one batched attention per row count; only the rest
+        # loop. Looped one by one, every step that also prefilled (and every verify step with
+        # one tree cut) paid the loop for all of them: on the dev CPU at 16 sequences of 170
+        # tokens, one sequence a row short made a pass 1.2-1.3x the uniform one.
+        groups: dict[int, list[int]] = {}
+        for i in range(num_seqs):
+            q_len = cu[i + 1] - cu[i]
+            if 0 < q_len <= _SMALL_Q:
+                groups.setdefault(q_len, []).append(i)
+        batched = set()
+        for q_len, seqs in groups.items():
+            if len(seqs) > 1:
+                _uniform_batch_attention(q, k_cache, v_cache, meta, scale, seq_lens, q_len, seqs=seqs, out=out)
+                batched.update(seqs)
+        if batched:
+            looped = [i for i in range(num_seqs) if i not in batched]
+    for i in looped:
+        seq_len = seq_lens[i]
         start, end = cu[i], cu[i + 1]
         q_len = end - start
         if q_len == 0:
@@ -124,17 +145,29 @@ def paged_attention(
 
 
 def _uniform_batch_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                             seq_lens: list[int], q_len: int) -> torch.Tensor:
+                             seq_lens: list[int], q_len: int, seqs: list[int] | None = None,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
     """Every sequence has q_len query rows (a decode batch, or chains verified at one depth):
     one gather and one masked SDPA for the whole batch instead of a loop over sequences.
     Same visibility rule as above: key j of sequence b is visible to its row t iff
-    j < ctx_b, or j - ctx_b = i in [0, q_len) with custom_mask[b*q_len + t, i] (causal: i <= t)."""
+    j < ctx_b, or j - ctx_b = i in [0, q_len) with custom_mask[b*q_len + t, i] (causal: i <= t).
+    seqs: only these sequences (each with q_len rows; the others are someone else's), their
+    rows' results written into `out`."""
+    dev = q.device
+    key = "uniform_mask" if seqs is None else ("uniform_mask", q_len)
+    group = None
+    if seqs is not None:   # which rows and block-table rows are this group's: once per forward
+        group = meta.scratch.get(("uniform_rows", q_len))
+        if group is None:
+            cu = meta.cu_query_lens_list if meta.cu_query_lens_list is not None else meta.cu_query_lens.tolist()
+            rows = torch.tensor([cu[i] + t for i in seqs for t in range(q_len)], dtype=torch.long, device=dev)
+            group = meta.scratch[("uniform_rows", q_len)] = (rows, torch.tensor(seqs, dtype=torch.long, device=dev))
+        seq_lens = [seq_lens[i] for i in seqs]
     num_seqs, block_size = len(seq_lens), k_cache.shape[1]
     max_len = max(seq_lens)
     num_blocks = (max_len + block_size - 1) // block_size
-    mask = meta.scratch.get("uniform_mask")  # [B, 1, q_len, S], the same in every layer
+    mask = meta.scratch.get(key)  # [B, 1, q_len, S], the same in every layer
     if mask is None:
-        dev = q.device
         j = torch.arange(num_blocks * block_size, device=dev)[None, None, :]  # [1, 1, S]
         ctx = (torch.tensor(seq_lens, device=dev) - q_len)[:, None, None]  # [B, 1, 1]
         local = j - ctx  # [B, 1, S]: index among the sequence's own rows
@@ -143,19 +176,26 @@ def _uniform_batch_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale
             t = torch.arange(q_len, device=dev)[None, :, None]  # [1, Q, 1]
             own_visible = own & (local <= t)
         else:
-            rows = meta.custom_mask[:, :q_len].view(num_seqs, q_len, q_len)  # [B, Q, Q]
+            custom = meta.custom_mask if group is None else meta.custom_mask.index_select(0, group[0])
+            rows = custom[:, :q_len].reshape(num_seqs, q_len, q_len)  # [B, Q, Q]
             picked = torch.gather(rows, 2, local.clamp(0, q_len - 1).expand(num_seqs, q_len, -1))
             own_visible = own & picked
         mask = ((local < 0) | own_visible)[:, None]  # [B, 1, Q, S]; padding keys (local >= q_len) hidden
-        meta.scratch["uniform_mask"] = mask
-    blocks = meta.block_tables[:, :num_blocks].long().flatten()
+        meta.scratch[key] = mask
+    tables = meta.block_tables if group is None else meta.block_tables.index_select(0, group[1])
+    blocks = tables[:, :num_blocks].long().flatten()
     shape = (num_seqs, num_blocks * block_size, *k_cache.shape[2:])
     k = k_cache.index_select(0, blocks).view(shape).transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
     v = v_cache.index_select(0, blocks).view(shape).transpose(1, 2).to(q.dtype)
-    qb = q.view(num_seqs, q_len, *q.shape[1:]).transpose(1, 2)  # [B, Hq, Q, D]
-    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
+    qg = q if group is None else q.index_select(0, group[0])
+    qb = qg.view(num_seqs, q_len, *q.shape[1:]).transpose(1, 2)  # [B, Hq, Q, D]
+    res = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=q.shape[1] != k_cache.shape[2])
-    return out.transpose(1, 2).reshape(q.shape)
+    res = res.transpose(1, 2).reshape(qg.shape)
+    if group is None:
+        return res
+    out.index_copy_(0, group[0], res)
+    return out
 
 
 def copy_slots(
