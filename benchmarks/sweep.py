@@ -8,17 +8,26 @@ the load generator at every concurrency, write a markdown table and plots.
 Settings: ``none`` (no speculation), ``static1`` .. ``static6``, ``adaptive``. With
 ``--base-url`` (repeatable as ``label=url``) the servers are already running and nothing is
 started. Extra arguments after ``--`` go to every loadgen run.
+
+``--variant NAME REV`` adds a setting NAME: the adaptive controller as git revision REV has it
+(exported to OUT/trees/NAME and served from there with benchmarks.serve_tree), to compare two
+versions inside one sweep (interleaved, same rounds, same prompts) rather than across sweeps,
+which on a shared machine differ by more than the change: ``sweep_report`` then sets each
+variant beside adaptive.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 import urllib.request
 from pathlib import Path
@@ -31,6 +40,32 @@ SETTINGS = {
     **{f"static{d}": f"--spec-mode static --spec-depth {d}" for d in range(1, 7)},
     "adaptive": "--spec-mode adaptive",
 }
+
+
+def variant_command(cmd: str, tree: Path) -> str:
+    """The server command `cmd` (which must start with `specserve`) run from source tree `tree`."""
+    head, _, rest = cmd.strip().partition(" ")
+    if head != "specserve":
+        raise SystemExit(f"sweep: --variant needs a --server-cmd that starts with 'specserve', got {cmd!r}")
+    return f"{shlex.quote(sys.executable)} -m benchmarks.serve_tree {shlex.quote(str(tree))} {rest}"
+
+
+def export_revision(rev: str, dest: Path) -> Path:
+    """The files of git revision `rev` of this repository, written to `dest` (replaced)."""
+    repo = Path(__file__).resolve().parents[1]
+    found = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                           capture_output=True, text=True)
+    if found.returncode != 0:
+        raise SystemExit(f"sweep: --variant revision {rev!r} is not a commit of {repo}")
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", found.stdout.strip()],
+                             capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(dest, filter="data")
+    (dest / "REVISION").write_text(found.stdout)
+    return dest
 
 
 def wait_healthy(base_url: str, proc: subprocess.Popen | None, timeout: float) -> None:
@@ -49,9 +84,12 @@ def wait_healthy(base_url: str, proc: subprocess.Popen | None, timeout: float) -
 
 
 def start_server(template: str, config: str, port: int, overrides: str, log_path: Path,
-                 cpus: str | None = None) -> subprocess.Popen:
-    """cpus: run the server (every thread it starts) on these CPUs only (taskset syntax)."""
+                 cpus: str | None = None, tree: Path | None = None) -> subprocess.Popen:
+    """cpus: run the server (every thread it starts) on these CPUs only (taskset syntax).
+    tree: run the template's `specserve` command from this source tree (serve_tree)."""
     cmd = template.format(config=config, port=port, overrides=overrides)
+    if tree is not None:
+        cmd = variant_command(cmd, tree)
     allowed = loadgen.parse_cpus(cpus) if cpus else None   # a bad list fails here, not in the child
     log = open(log_path, "w")
     # Own process group, so stopping it stops its children and nothing else. The affinity is
@@ -113,7 +151,11 @@ def main(argv=None):
     p.add_argument("--base-url", action="append", default=[], metavar="LABEL=URL",
                    help="use an already running server per setting instead of starting one")
     p.add_argument("--port", type=int, default=8765)
-    p.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--settings", nargs="*", default=list(SETTINGS),
+                   help=f"of {', '.join(SETTINGS)}, and the --variant names (default: all of them)")
+    p.add_argument("--variant", nargs=2, action="append", default=[], metavar=("NAME", "REV"),
+                   help="also run setting NAME: the adaptive controller of git revision REV (exported to "
+                        "OUT/trees/NAME); repeatable. Compares two versions inside one sweep")
     p.add_argument("--concurrency", nargs="*", type=int, default=list(CONCURRENCIES))
     p.add_argument("--prompts-per-concurrency", type=int, default=4,
                    help="num prompts = max(--min-prompts, this x concurrency) unless --num-prompts is passed after --")
@@ -152,10 +194,19 @@ def main(argv=None):
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     running = dict(s.split("=", 1) for s in args.base_url)
-    settings = list(running) if running else args.settings
+    variants = dict(args.variant)
+    for name in variants:
+        if name in SETTINGS or not name.replace("_", "").replace("-", "").isalnum() or name.startswith("static"):
+            p.error(f"--variant name {name!r} must be a word of its own (not a setting, not static...)")
+    settings = list(running) if running else list(dict.fromkeys(
+        args.settings + [v for v in variants if "--settings" not in argv]))
+    unknown = [s for s in settings if s not in SETTINGS and s not in variants and s not in running]
+    if unknown:
+        p.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join([*SETTINGS, *variants])}")
+    trees = {name: export_revision(rev, out / "trees" / name) for name, rev in variants.items() if name in settings}
 
     def overrides(setting: str, suffix: str = "") -> str:
-        flags = SETTINGS[setting]
+        flags = SETTINGS.get(setting, SETTINGS["adaptive"])   # a variant: its own adaptive controller
         if args.step_logs:
             flags += " --step-log " + shlex.quote(str((out / f"steps_{setting}{suffix}.jsonl").resolve()))
         return flags
@@ -207,7 +258,8 @@ def main(argv=None):
                     port = args.port + i
                     bases[setting] = f"http://127.0.0.1:{port}"
                     procs.append(start_server(args.server_cmd, args.config, port, overrides(setting, suffix),
-                                              out / f"server_{setting}{suffix}.log", args.server_cpus))
+                                              out / f"server_{setting}{suffix}.log", args.server_cpus,
+                                              trees.get(setting)))
                     wait_healthy(bases[setting], procs[-1], args.startup_timeout)
             for setting in settings:
                 wait_healthy(bases[setting], None, args.startup_timeout)
@@ -239,7 +291,7 @@ def main(argv=None):
         if base is None:
             base = f"http://127.0.0.1:{args.port}"
             proc = start_server(args.server_cmd, args.config, args.port, overrides(setting),
-                                out / f"server_{setting}.log", args.server_cpus)
+                                out / f"server_{setting}.log", args.server_cpus, trees.get(setting))
         try:
             wait_healthy(base, proc, args.startup_timeout)
             warm_up(setting, base)

@@ -7,7 +7,8 @@ median throughput; the table, and the checks issue 6 asks for.
 Checks, on output tokens/s: at every concurrency the adaptive controller reaches >= 0.97x
 the best static depth at that concurrency; no single static depth is within 0.97x of
 adaptive at every concurrency; at the highest concurrency adaptive is at least 0.97x
-no speculation.
+no speculation. Settings from `sweep --variant` (another revision's adaptive controller) are
+set beside adaptive in a table of their own.
 
 The best static depth of a concurrency is picked by its measured throughput, so its figure is
 the largest of six noisy ones and reads high: where the curve is flat and the noise is ~10% a
@@ -104,6 +105,37 @@ def cell_noise(cells: dict) -> tuple[float, int] | None:
     return (math.sqrt(total / dof), dof) if dof else None
 
 
+def variant_lines(cells: dict, tput: dict, variants: list[str], concs: list[int],
+                  noise: tuple[float, int] | None) -> list[str]:
+    """Each variant (sweep --variant: another revision's adaptive controller) over adaptive, per
+    concurrency: pooled, and the spread of the rounds' own ratios (round i of both ran in one
+    stretch of time)."""
+    if not variants:
+        return []
+    lines = ["", "| variant / adaptive | " + " | ".join(f"c={c}" for c in concs) + " | all |",
+             "|---|" + "---|" * (len(concs) + 1)]
+    for v in variants:
+        ratios, logs = [], []
+        for c in concs:
+            if (v, c) not in tput or ("adaptive", c) not in tput:
+                ratios.append("n/a")
+                continue
+            per_round = [a["metrics"]["output_throughput"] / b["metrics"]["output_throughput"]
+                         for a, b in zip(cells[(v, c)], cells[("adaptive", c)])]
+            r = tput[(v, c)] / tput[("adaptive", c)]
+            logs.append(math.log(r))
+            ratios.append(f"{r:.3f} ({min(per_round):.2f}-{max(per_round):.2f})")
+        overall = f"{math.exp(sum(logs) / len(logs)):.3f}" if logs else "n/a"
+        lines.append(f"| {v} | " + " | ".join(ratios) + f" | {overall} |")
+    if noise is not None:
+        rounds = min(len(x) for x in cells.values())
+        se = noise[0] * (2 / rounds) ** 0.5
+        lines.append(f"\n(pooled ratio, rounds' min-max in brackets; all: geometric mean over the "
+                     f"concurrencies. One ratio is good to about +-{100 * se:.1f}%, the mean of "
+                     f"{len(concs)} to about +-{100 * se / len(concs) ** 0.5:.1f}%.)")
+    return lines
+
+
 def report(cells: dict) -> tuple[str, list[dict]]:
     medians = {k: pooled(v) for k, v in cells.items()}
     settings = sorted({s for s, _ in medians}, key=lambda s: (s != "none", s != "adaptive", s))
@@ -124,7 +156,7 @@ def report(cells: dict) -> tuple[str, list[dict]]:
     def vs_none(c: int) -> str:   # a sweep of some settings only (--settings) may have no "none"
         return f"{tput[('adaptive', c)] / tput[('none', c)]:.3f}" if ("none", c) in tput else "n/a"
 
-    for c in concs:
+    for c in concs if statics else []:   # a sweep of adaptive and its variants only has no checks
         best = max(statics, key=lambda s: tput.get((s, c), 0.0))
         ratio = tput[("adaptive", c)] / tput[(best, c)]
         ok_every &= ratio >= 0.97
@@ -149,7 +181,8 @@ def report(cells: dict) -> tuple[str, list[dict]]:
     top = concs[-1]
     summary = [
         "",
-        f"- adaptive >= 0.97x the best static depth at every concurrency: **{'yes' if ok_every else 'no'}**",
+        f"- adaptive >= 0.97x the best static depth at every concurrency: "
+        f"**{'n/a (no static setting)' if not statics else 'yes' if ok_every else 'no'}**",
         "- the same with the best static depth picked on the other rounds: **"
         + ("n/a (one round)" if ok_held_out is None else "yes" if ok_held_out else "no") + "**",
         f"- a single static depth within 0.97x of adaptive everywhere: **{', '.join(dominated) or 'none'}**",
@@ -159,6 +192,8 @@ def report(cells: dict) -> tuple[str, list[dict]]:
         "latencies from the repetition with the median throughput)",
     ]
     noise = cell_noise(cells)
+    summary += variant_lines(cells, tput, [s for s in settings if s not in ("none", "adaptive") and s not in statics],
+                             concs, noise)
     if noise is not None:
         rounds = min(len(v) for v in cells.values())
         summary.append(

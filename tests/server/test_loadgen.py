@@ -571,3 +571,83 @@ def test_step_report_curves_put_measured_depths_beside_the_prediction(tmp_path):
     assert "| adaptive time share |  | 40% | 60% |" in table
     png = step_report.plot_curves({4: c}, tmp_path / "curves.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_serve_tree_imports_specserve_from_the_tree_it_is_given(tmp_path):
+    """benchmarks.serve_tree TREE ARGS: every specserve.* import resolves inside TREE (its own
+    pyproject.toml maps the packages), and ARGS go to that tree's command line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    tree = tmp_path / "tree"
+    (tree / "specserve").mkdir(parents=True)
+    (tree / "kernels").mkdir()
+    (tree / "pyproject.toml").write_text('[tool.setuptools.package-dir]\n"specserve.kernels" = "kernels"\n')
+    (tree / "specserve" / "__init__.py").write_text("")
+    (tree / "kernels" / "__init__.py").write_text("WHERE = 'tree kernels'\n")
+    (tree / "specserve" / "cli.py").write_text(
+        "import specserve, specserve.kernels\n"
+        "def main(argv):\n"
+        "    print(specserve.__file__, specserve.kernels.WHERE, argv)\n"
+        "    return 3\n")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.serve_tree", str(tree), "serve", "--port", "1"],
+                          cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout.split()[:3] == [str(tree.resolve() / "specserve" / "__init__.py"), "tree", "kernels"]
+    assert "['serve', '--port', '1']" in proc.stdout
+    (tree / "kernels" / "__init__.py").unlink()
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.serve_tree", str(tree), "serve"],
+                          cwd=root, capture_output=True, text=True)
+    assert proc.returncode != 0 and "lacks the package(s) specserve.kernels" in proc.stderr
+
+
+def test_sweep_variant_runs_another_revision_beside_adaptive(tmp_path, monkeypatch):
+    """--variant NAME REV: REV's files exported to OUT/trees/NAME, a setting NAME started from
+    that tree with adaptive's flags, and sweep_report sets it beside adaptive."""
+    import sys
+    from pathlib import Path
+
+    from benchmarks import sweep, sweep_report
+
+    root = Path(__file__).resolve().parents[2]
+    with pytest.raises(SystemExit, match="not-a-rev.*is not a commit"):
+        sweep.export_revision("not-a-rev", tmp_path / "x")
+    assert sweep.variant_command("specserve serve --port 1", tmp_path).endswith(
+        f"-m benchmarks.serve_tree {tmp_path} serve --port 1")
+    with pytest.raises(SystemExit, match="starts with 'specserve'"):
+        sweep.variant_command("python fake.py 1", tmp_path)
+
+    script = tmp_path / "fake_server.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(root)!r})\n"
+        "from aiohttp import web\n"
+        "from tests.server.test_loadgen import metrics_route, scripted_completions\n"
+        "async def health(request):\n"
+        "    return web.Response(text='ok')\n"
+        "app = web.Application()\n"
+        "app.router.add_post('/v1/completions', scripted_completions)\n"
+        "app.router.add_get('/metrics', metrics_route)\n"
+        "app.router.add_get('/health', health)\n"
+        "web.run_app(app, host='127.0.0.1', port=int(sys.argv[1]), print=None)\n")
+    started = []
+    real_start = sweep.start_server
+
+    def start(template, config, port, overrides, log_path, cpus=None, tree=None):
+        started.append((overrides, tree))
+        return real_start(f"{sys.executable} {script} {{port}} {{overrides}}", config, port, overrides, log_path)
+    monkeypatch.setattr(sweep, "start_server", start)
+    out = tmp_path / "out"
+    sweep.main(["--model", "m", "--settings", "adaptive", "old", "--variant", "old", "HEAD",
+                "--port", "18931", "--concurrency", "1", "--interleave", "--rounds", "2", "--warmup-requests", "0",
+                "--out-dir", str(out), "--", "--num-prompts", "2", "--no-progress"])
+    tree = out / "trees" / "old"
+    assert (tree / "specserve" / "controller.py").is_file() and (tree / "REVISION").read_text().strip()
+    assert started[:2] == [("--spec-mode adaptive", None), ("--spec-mode adaptive", tree)]
+    text, _ = sweep_report.report(sweep_report.load([out / "round0", out / "round1"]))
+    assert "| variant / adaptive | c=1 | all |" in text
+    assert any(line.startswith("| old | ") for line in text.splitlines())
+    with pytest.raises(SystemExit):
+        sweep.main(["--model", "m", "--variant", "static7", "HEAD", "--out-dir", str(out)])
