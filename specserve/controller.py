@@ -6,11 +6,10 @@ synthetic cost models.
 The quantity maximised is *goodput*, committed tokens per second of one engine step::
 
     goodput(d, n) = sum_i E_i(d, n) / cost(d, n)
-    cost(d, n)    = t_step(B, e) + t_draft(B, d) + t_verify(B, B * (n + 1))    (d = 0: t_step(B, B) + t_verify(B, B))
+    cost(d, n)    = t_step(B) + t_draft(B, d) + t_verify(B, B * (n + 1))    (d = 0: t_step(B) + t_verify(B, B))
 
-``e = sum_i E_i(d, n)`` is the tokens the step is expected to emit, ``d`` the depth (draft
-steps), ``n`` the node budget (tree nodes, root excluded; a chain has ``n == d``;
-``d = n = 0`` is plain decode with the draft idle). Each of the ``B``
+``d`` is the depth (draft steps), ``n`` the node budget (tree nodes, root excluded; a chain
+has ``n == d``; ``d = n = 0`` is plain decode with the draft idle). Each of the ``B``
 sequences feeds its pending token plus ``n`` nodes to the verify pass, hence ``B * (n + 1)``
 tokens.
 
@@ -132,15 +131,7 @@ same for every plan, so it matters only in that deeper plans spread it over more
 at high load that decides: on the dev CPU at 64 requests (server on one core) it made static
 depth 3 17% faster than plain decoding over HTTP, while the engine's own step times, which
 the controller saw until the seventh session, had plain decoding ahead, and adaptive ran
-depth 0.6 at 0.84x the best static depth. It is an EMA per batch bucket like the draft step,
-plus a share per token emitted: every token is detokenised and streamed out, so a deeper plan's
-step costs more here too (the thirteenth session's step logs, dev CPU, 16 sequences: 1.6 ms a
-step at plain decoding, 3.3 ms at depth 6; 12-21 us per token at 16-64 sequences). One figure
-per bucket, measured at the plan in use, charged a deep plan's overhead to the shallow plans
-and held the plan deep. So ``t_step(B, e) = t_step(B) + k (e - e_B)``, with ``e`` the plan's
-expected tokens, ``e_B`` the bucket's mean, and ``k`` the slope of overhead per sequence over
-tokens per sequence across the depths the bucket has run (an EMA per depth; the explorations
-and the guard's plain steps give it depths besides the plan's), never negative.
+depth 0.6 at 0.84x the best static depth. It is an EMA per batch bucket like the draft step.
 
 **High load.** Once the verify pass is compute-bound, ``t_verify(B, B(n+1)) ~ (n+1) t_verify(B, B)``
 while ``E < n + 1``, so every ``d > 0`` loses to plain decode and the controller falls to
@@ -407,11 +398,6 @@ def _smooth_interior(points: list[_EmaPoint], weight: float) -> None:
 # but one taken just as a slow spell ends is off by the spell.
 _CROSS_ALPHA = 0.1
 
-# EMA weight of a depth's own overhead figures (CostModel.overhead_per_token): a depth other
-# than the plan's runs one step in 16 (explorations) or 32 (the guard's plain steps), so its
-# figure must average over its few steps rather than follow the last one.
-_OVERHEAD_DEPTH_ALPHA = 0.1
-
 
 class _Row:
     """t_verify (or draft time by depth) of one batch bucket: a point per rows per sequence
@@ -568,11 +554,6 @@ class CostModel:
         self._draft: dict[int, _EmaPoint] = {}                    # batch bucket -> (B, t) of one draft level
         self._draft_rows: dict[int, _Row] = {}                    # batch bucket -> total draft time by depth
         self._overhead: dict[int, _EmaPoint] = {}                 # batch bucket -> (B, t)
-        # The share of that overhead that grows with the tokens a step emits (see
-        # t_overhead): per batch bucket, the EMA of tokens emitted per sequence over all its
-        # steps, and per depth run an EMA of (tokens, seconds) per sequence.
-        self._overhead_tokens: dict[int, float] = {}
-        self._overhead_by_depth: dict[int, dict[int, _EmaPoint]] = {}
         self._verify: dict[int, _Row] = {}                          # batch bucket -> its verify costs
         # The context term (see the module docstring): batch bucket -> seconds per token of
         # context (summed over the batch) of a verify pass and of one draft level, measured at
@@ -650,51 +631,12 @@ class CostModel:
         pass); batch buckets without any fall back on depth x the start-up per-level time."""
         return self.t_draft_total_many(batch_size, [depth], context_tokens)[0]
 
-    def observe_overhead(self, batch_size: int, seconds: float, num_tokens: int | None = None,
-                         depth: int | None = None) -> None:
-        """The step's time outside the draft and the target's pass; num_tokens: the tokens it
-        emitted, depth: its plan's depth (both or neither)."""
+    def observe_overhead(self, batch_size: int, seconds: float) -> None:
         b = _bucket(batch_size)
         if b in self._overhead:
             self._overhead[b].update(batch_size, seconds, self.alpha)
         else:
             self._overhead[b] = _EmaPoint(batch_size, seconds)
-        if num_tokens is None or depth is None:
-            return
-        per_seq = num_tokens / batch_size
-        if b in self._overhead_tokens:
-            self._overhead_tokens[b] += max(self.alpha, 1.0 / self._overhead[b].count) * (
-                per_seq - self._overhead_tokens[b])
-        else:
-            self._overhead_tokens[b] = per_seq
-        by_depth = self._overhead_by_depth.setdefault(b, {})
-        if depth in by_depth:
-            by_depth[depth].update(per_seq, seconds / batch_size, _OVERHEAD_DEPTH_ALPHA)
-        else:
-            by_depth[depth] = _EmaPoint(per_seq, seconds / batch_size)
-
-    def overhead_per_token(self, batch_size: int) -> float:
-        """Seconds of step overhead per token emitted: the slope of overhead per sequence
-        over tokens per sequence across the depths the bucket ran (each with a few steps; a
-        least-squares line weighted by steps, at most 32 each), never negative nor more than
-        the whole overhead per token. A bucket whose depths do not spread the tokens by half a
-        token per sequence reads the nearest bucket that does; none: 0."""
-        fits = {}
-        for b, by_depth in self._overhead_by_depth.items():
-            pts = [(min(p.count, 32), p.x, p.t) for p in by_depth.values() if p.count >= 3]
-            if len(pts) < 2 or max(x for _, x, _ in pts) - min(x for _, x, _ in pts) < 0.5:
-                continue
-            w = sum(p[0] for p in pts)
-            mx = sum(c * x for c, x, _ in pts) / w
-            my = sum(c * y for c, _, y in pts) / w
-            sxx = sum(c * (x - mx) ** 2 for c, x, _ in pts)
-            sxy = sum(c * (x - mx) * (y - my) for c, x, y in pts)
-            total = self._overhead[b].t / max(1e-9, self._overhead[b].x * self._overhead_tokens[b])
-            fits[b] = min(max(0.0, sxy / sxx), total)
-        if not fits:
-            return 0.0
-        b = _bucket(batch_size)
-        return fits[min(fits, key=lambda f: (abs(math.log2(f) - math.log2(b)), f))]
 
     def observe_verify(self, batch_size: int, num_tokens: int, seconds: float, track_level: bool = True,
                        context_tokens: int | None = None) -> None:
@@ -716,23 +658,10 @@ class CostModel:
         points = [self._draft[b] for b in sorted(self._draft)]
         return _interp_points(points, batch_size)
 
-    def t_overhead(self, batch_size: int, num_tokens: float | None = None) -> float:
-        """Seconds of a step outside the draft and the target's pass, for a step emitting
-        num_tokens (None: as many as the bucket's steps have emitted on average)."""
-        base, per_token, mean = self.overhead_line(batch_size)
-        return base if num_tokens is None else max(0.1 * base, base + per_token * (num_tokens - mean))
-
-    def overhead_line(self, batch_size: int) -> tuple[float, float, float]:
-        """(seconds, seconds per token, tokens): the step overhead at batch_size, measured at
-        its bucket's mean tokens emitted per step, and what each token more or less adds
-        (overhead_per_token())."""
+    def t_overhead(self, batch_size: int) -> float:
         if not self._overhead:
-            return 0.0, 0.0, 0.0
-        base = _interp_points([self._overhead[b] for b in sorted(self._overhead)], batch_size)
-        b = _bucket(batch_size)
-        if b not in self._overhead_tokens:
-            return base, 0.0, 0.0
-        return base, self.overhead_per_token(batch_size), batch_size * self._overhead_tokens[b]
+            return 0.0
+        return _interp_points([self._overhead[b] for b in sorted(self._overhead)], batch_size)
 
     def t_verify_many(self, batch_size: int, token_counts: Sequence[int],
                       context_tokens: int | None = None) -> list[float]:
@@ -783,7 +712,6 @@ class CostModel:
             "draft_total_s": {b: {d: (q.x, q.t) for d, q in zip(sorted(row.points), row.current())}
                               for b, row in sorted(self._draft_rows.items())},
             "step_overhead_s": {b: p.t for b, p in sorted(self._overhead.items())},
-            "step_overhead_s_per_token": {b: self.overhead_per_token(b) for b in sorted(self._overhead)},
             "verify_s": {b: {tb: (q.x, q.t) for tb, q in zip(sorted(row.points), row.current())}
                          for b, row in sorted(self._verify.items())},
             "verify_level": {b: row.level for b, row in sorted(self._verify.items())},
@@ -1122,9 +1050,7 @@ class AdaptiveController:
             drafts = self.costs.t_draft_total_many(B, range(self.max_depth + 1), ctx)
         else:
             drafts = [d * self.draft_cost_guess * t_verify0 for d in range(self.max_depth + 1)]
-        # The step's overhead grows with the tokens it emits (each is streamed out): read at
-        # each plan's expected tokens.
-        t_step, per_token, mean_tokens = self.costs.overhead_line(B)
+        t_step = self.costs.t_overhead(B)
         for d in range(self.max_depth + 1):
             budgets = all_budgets[d]
             gains = self._alternate_gains(miss, d, budgets[-1] - d) if d else []
@@ -1137,8 +1063,7 @@ class AdaptiveController:
                 from_paths = self.tree_estimate(d, n) if n > d else None
                 if from_paths is not None:
                     total = from_paths * B
-                overhead = max(0.1 * t_step, t_step + per_token * (total - mean_tokens))
-                cost = overhead + drafts[d] + verify[plan_rows[d, n]]
+                cost = t_step + drafts[d] + verify[plan_rows[d, n]]
                 out[Plan(d, n)] = (total / cost if cost > 0 else 0.0, total / B)
         return out
 
@@ -1364,8 +1289,7 @@ class AdaptiveController:
             num_tokens = B * (stats.num_nodes + 1) if stats.num_tokens is None else stats.num_tokens
             self.costs.observe_verify(B, num_tokens, stats.verify_s, context_tokens=ctx)
             if stats.overhead_s > 0:
-                # Every decoding sequence emits its accepted run and one more token.
-                self.costs.observe_overhead(B, stats.overhead_s, B + sum(stats.num_accepted), stats.depth)
+                self.costs.observe_overhead(B, stats.overhead_s)
         total_s = stats.draft_s + stats.verify_s + stats.overhead_s
         if total_s > 0:
             tokens = sum(stats.num_accepted) + len(stats.num_accepted)

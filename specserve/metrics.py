@@ -104,8 +104,6 @@ def _controller_metrics(snap: dict):
         ("specserve_controller_draft_step_seconds", "draft_s_per_step", "Measured time of one draft step."),
         ("specserve_controller_step_overhead_seconds", "step_overhead_s",
          "Measured time of an engine step outside the draft and the target's pass."),
-        ("specserve_controller_step_overhead_seconds_per_token", "step_overhead_s_per_token",
-         "What each token a step emits adds to its time outside the draft and the target's pass."),
         ("specserve_controller_verify_level", "verify_level",
          "Verify costs now relative to when first measured (1 = unchanged)."),
     ):
