@@ -214,8 +214,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from itertools import accumulate, zip_longest
-from operator import mul
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
@@ -1016,14 +1014,20 @@ class AdaptiveController:
                 else [self.max_depth] * len(ids))
         # chain[k] = sum_i E_chain_i(k); reach/miss per depth, summed over requests. A request
         # cut at depth c gains nothing from positions past c (module docstring: "Near the end").
-        # (Each request's running products, then summed position by position: this runs every
-        # step the batch changes, so the loops are the builtins'.)
-        reach = [list(accumulate(a[:c], mul)) for a, c in zip(accs, caps) if c > 0]
-        gained = [sum(col) for col in zip_longest(*reach, fillvalue=0.0)]
-        before = [sum(col) for col in zip_longest(*[[1.0] + r[:-1] for r in reach], fillvalue=0.0)]
-        pad = [0.0] * (self.max_depth - len(gained))
-        miss = [b - g for b, g in zip(before, gained)] + pad
-        chain = list(accumulate(gained + pad, initial=float(len(accs))))
+        chain = [float(len(accs))]
+        miss = []
+        prefixes = [1.0] * len(accs)
+        for k in range(self.max_depth):
+            m = 0.0
+            gained = 0.0
+            for i, a in enumerate(accs):
+                if k >= caps[i]:
+                    continue
+                m += prefixes[i] * (1.0 - a[k])
+                prefixes[i] *= a[k]
+                gained += prefixes[i]
+            miss.append(m)
+            chain.append(chain[-1] + gained)
         scale = B / len(accs)   # request_ids may be shorter than the batch (prefills)
         ctx = context_tokens
         out: dict[Plan, tuple[float, float]] = {}
