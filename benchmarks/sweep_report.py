@@ -154,9 +154,12 @@ def report(cells: dict) -> tuple[str, list[dict]]:
     ok_held_out: bool | None = True
 
     def vs_none(c: int) -> str:   # a sweep of some settings only (--settings) may have no "none"
-        return f"{tput[('adaptive', c)] / tput[('none', c)]:.3f}" if ("none", c) in tput else "n/a"
+        return (f"{tput[('adaptive', c)] / tput[('none', c)]:.3f}"
+                if ("none", c) in tput and ("adaptive", c) in tput else "n/a")
 
-    for c in concs if statics else []:   # a sweep of adaptive and its variants only has no checks
+    has_adaptive = all(("adaptive", c) in tput for c in concs)
+    # A sweep of adaptive and its variants only, or of static settings only, has no checks.
+    for c in concs if statics and has_adaptive else []:
         best = max(statics, key=lambda s: tput.get((s, c), 0.0))
         ratio = tput[("adaptive", c)] / tput[(best, c)]
         ok_every &= ratio >= 0.97
@@ -177,14 +180,15 @@ def report(cells: dict) -> tuple[str, list[dict]]:
         checks.append(f"| {c} | {best} ({tput[(best, c)]:.0f}) | {ratio:.3f} | "
                       f"{min(per_round):.2f}-{max(per_round):.2f} | {held_text} | "
                       f"{vs_none(c)} | {depth:.1f} |")
-    dominated = [s for s in statics if all(tput[(s, c)] >= 0.97 * tput[("adaptive", c)] for c in concs)]
+    dominated = [s for s in statics if has_adaptive and all(tput[(s, c)] >= 0.97 * tput[("adaptive", c)] for c in concs)]
     top = concs[-1]
     summary = [
         "",
         f"- adaptive >= 0.97x the best static depth at every concurrency: "
-        f"**{'n/a (no static setting)' if not statics else 'yes' if ok_every else 'no'}**",
+        f"**{'n/a (no static setting)' if not statics else 'n/a (no adaptive)' if not has_adaptive else 'yes' if ok_every else 'no'}**",
         "- the same with the best static depth picked on the other rounds: **"
-        + ("n/a (one round)" if ok_held_out is None else "yes" if ok_held_out else "no") + "**",
+        + ("n/a (no adaptive)" if not (statics and has_adaptive) else "n/a (one round)" if ok_held_out is None
+           else "yes" if ok_held_out else "no") + "**",
         f"- a single static depth within 0.97x of adaptive everywhere: **{', '.join(dominated) or 'none'}**",
         f"- at the highest concurrency ({top}) adaptive / no speculation = "
         f"**{vs_none(top)}**",

@@ -336,6 +336,9 @@ def test_sweep_report_picks_the_best_static_out_of_sample():
     # A sweep of some settings only (--settings adaptive static1 static2): no plain decoding.
     text, _ = sweep_report.report({k: v for k, v in cells.items() if k[0] != "none"})
     assert "| 1.080 (static1, static2) | n/a |" in text and "no speculation = **n/a**" in text
+    # Static settings only (a sweep of two servers' variants of one depth): no checks, no crash.
+    text, _ = sweep_report.report({k: v for k, v in cells.items() if k[0].startswith("static")})
+    assert "every concurrency: **n/a (no adaptive)**" in text and "other rounds: **n/a (no adaptive)**" in text
     # One round: nothing to pick out of sample.
     one = {k: v[:1] for k, v in cells.items()}
     assert sweep_report.held_out_best(one, ["static1", "static2"], 4) is None
