@@ -11,8 +11,8 @@ one object:
     prefill_tokens  the prompt tokens of those chunks
     context         tokens already cached of the decoding sequences, summed (what the cost
                     model's context term reads)
-    context_max     the longest of them (a batch whose sequences all verify the same number
-                    of rows runs one attention padded to it: kernels/reference.py)
+    context_max     the longest of them (on the CPU the sequences that verify the same number
+                    of rows run one attention, padded to the longest: kernels/reference.py)
     emitted         tokens the step produced (accepted + bonus, or one per plain row)
     draft_s         the draft's share of the step (0 when it did not run)
     verify_s        the target pass (the whole pass, prefill chunks included)
