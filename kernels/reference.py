@@ -67,18 +67,19 @@ def paged_attention(
         # loop. Looped one by one, every step that also prefilled (and every verify step with
         # one tree cut) paid the loop for all of them: on the dev CPU at 16 sequences of 170
         # tokens, one sequence a row short made a pass 1.2-1.3x the uniform one.
-        groups: dict[int, list[int]] = {}
-        for i in range(num_seqs):
-            q_len = cu[i + 1] - cu[i]
-            if 0 < q_len <= _SMALL_Q:
-                groups.setdefault(q_len, []).append(i)
-        batched = set()
+        grouping = meta.scratch.get("row_groups")   # the same in every layer
+        if grouping is None:
+            groups: dict[int, list[int]] = {}
+            for i in range(num_seqs):
+                q_len = cu[i + 1] - cu[i]
+                if 0 < q_len <= _SMALL_Q:
+                    groups.setdefault(q_len, []).append(i)
+            groups = {q_len: seqs for q_len, seqs in groups.items() if len(seqs) > 1}
+            batched = {i for seqs in groups.values() for i in seqs}
+            grouping = meta.scratch["row_groups"] = (groups, [i for i in range(num_seqs) if i not in batched])
+        groups, looped = grouping
         for q_len, seqs in groups.items():
-            if len(seqs) > 1:
-                _uniform_batch_attention(q, k_cache, v_cache, meta, scale, seq_lens, q_len, seqs=seqs, out=out)
-                batched.update(seqs)
-        if batched:
-            looped = [i for i in range(num_seqs) if i not in batched]
+            _uniform_batch_attention(q, k_cache, v_cache, meta, scale, seq_lens, q_len, seqs=seqs, out=out)
     for i in looped:
         seq_len = seq_lens[i]
         start, end = cu[i], cu[i + 1]
