@@ -65,8 +65,9 @@ def paged_attention(
         # prompt chunk, or chains verified at one depth beside one cut short near its
         # max_tokens) still go through one batched attention per row count; only the rest
         # loop. Looped one by one, every step that also prefilled (and every verify step with
-        # one tree cut) paid the loop for all of them: on the dev CPU at 16 sequences of 170
-        # tokens, one sequence a row short made a pass 1.2-1.3x the uniform one.
+        # one tree cut) paid the loop for all of them: on the dev CPU at 16-64 sequences of 170
+        # tokens, one sequence two rows short made a pass 1.15-1.35x the uniform one
+        # (benchmarks/bench_mixed_pass.py).
         grouping = meta.scratch.get("row_groups")   # the same in every layer
         if grouping is None:
             groups: dict[int, list[int]] = {}
@@ -157,13 +158,15 @@ def _uniform_batch_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale
     dev = q.device
     key = "uniform_mask" if seqs is None else ("uniform_mask", q_len)
     group = None
-    if seqs is not None:   # which rows and block-table rows are this group's: once per forward
+    tables = meta.block_tables
+    if seqs is not None:   # this group's query rows, block tables and lengths: once per forward
         group = meta.scratch.get(("uniform_rows", q_len))
         if group is None:
             cu = meta.cu_query_lens_list if meta.cu_query_lens_list is not None else meta.cu_query_lens.tolist()
             rows = torch.tensor([cu[i] + t for i in seqs for t in range(q_len)], dtype=torch.long, device=dev)
-            group = meta.scratch[("uniform_rows", q_len)] = (rows, torch.tensor(seqs, dtype=torch.long, device=dev))
-        seq_lens = [seq_lens[i] for i in seqs]
+            picked = meta.block_tables.index_select(0, torch.tensor(seqs, dtype=torch.long, device=dev))
+            group = meta.scratch[("uniform_rows", q_len)] = (rows, picked, [seq_lens[i] for i in seqs])
+        rows, tables, seq_lens = group
     num_seqs, block_size = len(seq_lens), k_cache.shape[1]
     max_len = max(seq_lens)
     num_blocks = (max_len + block_size - 1) // block_size
@@ -177,25 +180,24 @@ def _uniform_batch_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale
             t = torch.arange(q_len, device=dev)[None, :, None]  # [1, Q, 1]
             own_visible = own & (local <= t)
         else:
-            custom = meta.custom_mask if group is None else meta.custom_mask.index_select(0, group[0])
-            rows = custom[:, :q_len].reshape(num_seqs, q_len, q_len)  # [B, Q, Q]
-            picked = torch.gather(rows, 2, local.clamp(0, q_len - 1).expand(num_seqs, q_len, -1))
+            custom = meta.custom_mask if group is None else meta.custom_mask.index_select(0, rows)
+            own_masks = custom[:, :q_len].reshape(num_seqs, q_len, q_len)  # [B, Q, Q]
+            picked = torch.gather(own_masks, 2, local.clamp(0, q_len - 1).expand(num_seqs, q_len, -1))
             own_visible = own & picked
         mask = ((local < 0) | own_visible)[:, None]  # [B, 1, Q, S]; padding keys (local >= q_len) hidden
         meta.scratch[key] = mask
-    tables = meta.block_tables if group is None else meta.block_tables.index_select(0, group[1])
     blocks = tables[:, :num_blocks].long().flatten()
     shape = (num_seqs, num_blocks * block_size, *k_cache.shape[2:])
     k = k_cache.index_select(0, blocks).view(shape).transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
     v = v_cache.index_select(0, blocks).view(shape).transpose(1, 2).to(q.dtype)
-    qg = q if group is None else q.index_select(0, group[0])
+    qg = q if group is None else q.index_select(0, rows)
     qb = qg.view(num_seqs, q_len, *q.shape[1:]).transpose(1, 2)  # [B, Hq, Q, D]
     res = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale,
                                          enable_gqa=q.shape[1] != k_cache.shape[2])
     res = res.transpose(1, 2).reshape(qg.shape)
     if group is None:
         return res
-    out.index_copy_(0, group[0], res)
+    out.index_copy_(0, rows, res)
     return out
 
 
