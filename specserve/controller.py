@@ -202,6 +202,22 @@ model is the better judge; with many the step averages over requests and its cos
 Across batch sizes the model still decides; within a bucket, the measurement has the last
 word on speculating at all.
 
+**Bias.** What the model gets wrong is not the same at every depth: in the fourteenth
+session's step logs (adaptive servers, decode-only steps) measured over predicted tokens/s was
+1.10-1.13 at depths 4-6 and 0.80 at depth 8 at one request, 1.07 at depth 3 falling to 0.71 at
+depth 8 at 16 (a cost it has no term for, such as the per-token output work of a step, which
+grows with the tokens a deep plan emits; deep positions' acceptance read from the positions
+above; the plans it picks when a request's acceptance reads high regressing to the mean). So
+each (batch bucket, depth) keeps the measured and predicted tokens of its whole steps (sums
+discounted by ``bias_half_life`` steps) and the decision reads every plan's prediction times
+its depth's factor: the ratio shrunk toward 1 as a normal mean with prior sd ``bias_prior_sd``
+and the per-step noise its steps show (at one sequence a step's tokens vary by half their
+mean, so a 20% bias takes ~50 steps to show; at 64 sequences a few), less a dead band of
+``bias_deadband`` (on a flat top a noise-driven 2% moves the plan). The ratios are taken
+against the model's own predictions, not the corrected ones, so the correction converges to
+the model's error instead of feeding on itself; the guard keeps its own figures. Depths not
+run lately fade back toward 1, and the explorations keep the neighbours of the plan measured.
+
 **Hysteresis.** The current plan is kept unless the best plan's predicted goodput beats it by
 more than ``switch_margin`` (relative), or some other plan has been best for
 ``switch_patience`` consecutive evaluations (then the latest best is taken). A plan is
@@ -737,6 +753,58 @@ class _Measured:
         self.step = step
 
 
+class _Bias:
+    """Measured against predicted tokens of the whole steps of one (batch bucket, depth):
+    sums that forget by ``decay`` a step (engine steps, whichever plan ran them), so a depth
+    not run lately keeps a fading figure. The ratio is measured over predicted goodput,
+    weighted by the steps' time; ``weight`` counts the steps behind it, discounted alike, and
+    the per-step ratios' second moment gives their noise (at one sequence a step's tokens
+    vary by half their mean from step to step, at 64 by a few percent)."""
+
+    __slots__ = ("measured", "predicted", "weight", "sum_r", "sum_r2", "step")
+
+    def __init__(self, step: int):
+        self.measured = self.predicted = self.weight = self.sum_r = self.sum_r2 = 0.0
+        self.step = step
+
+    def _age(self, step: int, decay: float) -> None:
+        if step > self.step:
+            f = (1.0 - decay) ** (step - self.step)
+            self.measured *= f
+            self.predicted *= f
+            self.weight *= f
+            self.sum_r *= f
+            self.sum_r2 *= f
+            self.step = step
+
+    def add(self, measured_tokens: float, predicted_tokens: float, step: int, decay: float) -> None:
+        self._age(step, decay)
+        self.measured += measured_tokens
+        self.predicted += predicted_tokens
+        self.weight += 1.0
+        r = measured_tokens / predicted_tokens
+        self.sum_r += r
+        self.sum_r2 += r * r
+
+    def factor(self, step: int, decay: float, prior_sd: float, noise_sd: float,
+               deadband: float, lo: float, hi: float) -> float:
+        """The correction of the depth's predicted goodput: the measured ratio shrunk toward 1
+        as a normal mean with prior sd ``prior_sd`` about 1 and per-step noise estimated from
+        the steps (pooled with ``noise_sd`` worth four steps): weight n / (n + noise² /
+        prior_sd²). A bias of 20% at one sequence takes ~50 steps to show; at 64, a few."""
+        self._age(step, decay)
+        n = self.weight
+        if self.predicted <= 0.0 or n <= 0.0:
+            return 1.0
+        mean = self.sum_r / n
+        var = (max(0.0, self.sum_r2 - n * mean * mean) + 4.0 * noise_sd ** 2) / (n + 4.0)
+        ratio = min(hi, max(lo, self.measured / self.predicted))
+        shift = (ratio - 1.0) * n / (n + var / prior_sd ** 2)
+        # What is left inside the dead band is noise as often as not, and on a flat top a
+        # few percent either way moves the plan: only the excess corrects.
+        return 1.0 + math.copysign(max(0.0, abs(shift) - deadband), shift)
+
+
 @dataclass
 class _RequestAcceptance:
     ema: list[float] = field(default_factory=list)    # [max_depth] per-position EMA
@@ -787,6 +855,11 @@ class AdaptiveController:
         guard_band: float = 1.15,
         guard_alpha: float = 0.2,
         guard_min_batch: int = 8,
+        bias_half_life: float = 256.0,
+        bias_prior_sd: float = 0.1,
+        bias_noise_sd: float = 0.3,
+        bias_deadband: float = 0.03,
+        bias_limits: tuple[float, float] = (0.6, 1.5),
     ):
         if mode not in ("adaptive", "static"):
             raise ValueError(f"controller mode must be 'adaptive' or 'static', got {mode!r}")
@@ -846,6 +919,17 @@ class AdaptiveController:
         self.guard_band = guard_band
         self.guard_alpha = guard_alpha
         self.guard_min_batch = guard_min_batch
+        if (bias_half_life < 0 or bias_prior_sd <= 0 or bias_noise_sd <= 0
+                or not 0 < bias_limits[0] <= 1 <= bias_limits[1]):
+            raise ValueError(
+                f"bias_half_life must be >= 0 (0: off), bias_prior_sd and bias_noise_sd > 0, and "
+                f"bias_limits (lo, hi) with 0 < lo <= 1 <= hi, got {bias_half_life}, "
+                f"{bias_prior_sd}, {bias_noise_sd}, {bias_limits}")
+        self.bias_decay = 1.0 - 0.5 ** (1.0 / bias_half_life) if bias_half_life > 0 else None
+        self.bias_prior_sd = bias_prior_sd
+        self.bias_noise_sd = bias_noise_sd
+        self.bias_deadband = bias_deadband
+        self.bias_limits = bias_limits
         self.probe_depth = max(1, min(probe_depth, max_depth)) if max_depth else 0
 
         self.costs = CostModel(cost_alpha)
@@ -882,6 +966,11 @@ class AdaptiveController:
         # The guard (see the module docstring): measured goodput per (batch bucket, depth), the
         # buckets held at depth 0 until a step count, and the countdown to the next depth-0 step.
         self._measured: dict[tuple[int, int], _Measured] = {}
+        # Each depth's predicted goodput corrected by what its steps measured (see "Bias" in
+        # the module docstring): (batch bucket, depth) -> discounted sums.
+        self._bias: dict[tuple[int, int], _Bias] = {}
+        self._decided: dict[Plan, tuple[float, float]] | None = None   # the corrected scores
+        self._factors: list[float] = [1.0] * (max_depth + 1)            # and the factors
         self._guard_hold_until: dict[int, int] = {}
         self._guard_holds_in_row: dict[int, int] = {}   # bucket -> trips in a row (the backoff)
         self._guard_countdown = guard_interval
@@ -1129,9 +1218,11 @@ class AdaptiveController:
         if fresh:
             scores = self.evaluate(batch_size, request_ids, context_tokens, depth_caps)
             self._scores, self._scores_key, self._since_evaluated = scores, batch_key, 0
+            self._factors = self.bias_factors(batch_size)
+            self._decided = self._corrected(scores, self._factors)
         else:
             scores = self._scores
-        cur = self._decide(scores) if fresh else self.current
+        cur = self._decide(self._decided) if fresh else self.current
         cur = self._guard(batch_size, cur, scores)
         self.current = cur
 
@@ -1169,6 +1260,37 @@ class AdaptiveController:
         for p, (g, _) in self._scores.items():
             best[p.depth] = max(best[p.depth] or 0.0, g)
         return best
+
+    def fresh_bias(self) -> list[float] | None:
+        """With fresh_curve: the bias factor of each depth that decision read (see "Bias")."""
+        if self.mode != "adaptive" or self._scores is None or self._since_evaluated != 0:
+            return None
+        return self._factors
+
+    def bias_factors(self, batch_size: int) -> list[float]:
+        """Per depth 0..max_depth, the factor its predicted goodput is corrected by at this
+        batch size (1.0: no figure, or the correction is off)."""
+        if self.bias_decay is None:
+            return [1.0] * (self.max_depth + 1)
+        b = _bucket(batch_size)
+        lo, hi = self.bias_limits
+        out = []
+        for d in range(self.max_depth + 1):
+            bias = self._bias.get((b, d))
+            out.append(1.0 if bias is None else
+                       bias.factor(self.num_steps, self.bias_decay, self.bias_prior_sd,
+                                   self.bias_noise_sd, self.bias_deadband, lo, hi))
+        return out
+
+    @staticmethod
+    def _corrected(scores: dict[Plan, tuple[float, float]], factors: list[float]
+                   ) -> dict[Plan, tuple[float, float]]:
+        """The scores the decision reads: each plan's predicted goodput times its depth's
+        bias factor. (The guard and the step log keep the model's own figures, and the
+        measured ratios are taken against them, so the correction does not feed on itself.)"""
+        if all(f == 1.0 for f in factors):
+            return scores
+        return {p: (g * factors[p.depth], e) for p, (g, e) in scores.items()}
 
     def _decide(self, scores: dict[Plan, tuple[float, float]]) -> Plan:
         """The plan to run from a fresh evaluation: the centre of the band, with hysteresis."""
@@ -1315,6 +1437,12 @@ class AdaptiveController:
             is_ratio = (planned is not None and planned[1] > 0
                         and planned[0].depth == stats.depth and planned[0].num_nodes == stats.num_nodes)
             if is_ratio:
+                if self.bias_decay is not None:
+                    key = (_bucket(B), stats.depth)
+                    bias = self._bias.get(key)
+                    if bias is None:
+                        bias = self._bias[key] = _Bias(self.num_steps)
+                    bias.add(rate * total_s, planned[1] * total_s, self.num_steps, self.bias_decay)
                 rate /= planned[1]
             key = (_bucket(B), stats.depth)
             m = self._measured.get(key)

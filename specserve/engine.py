@@ -284,6 +284,7 @@ class LLMEngine:
             curve = controller.fresh_curve()
             if curve is not None:
                 record["curve"] = [None if g is None else round(g, 2) for g in curve]
+                record["bias"] = [round(f, 3) for f in controller.fresh_bias()]
         self.step_log.write(record)
 
     def _decode(self, batch: SchedulerOutput) -> dict[str, list[int]]:

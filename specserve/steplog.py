@@ -22,6 +22,9 @@ one object:
                     adaptive controller)
     curve           on steps whose plan came from a fresh evaluation: the predicted tokens/s
                     of each chain depth 0..max_depth (best node budget per depth)
+    bias            with curve: the factor each depth's prediction was corrected by for the
+                    decision (its measured over predicted goodput, shrunk toward 1; the
+                    controller's module docstring, "Bias")
 
 Unlike the controller's own step statistics, steps that also prefill are logged with their
 timings: at high load they are most of the target's time. A line is written per step
