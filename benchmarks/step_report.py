@@ -114,9 +114,17 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
     predicted[d]  the mean over the adaptive controller's fresh evaluations at such steps of
                   its predicted goodput at depth d relative to its best depth then
     share[d]      the share of the adaptive cells' decode-only step time at depth d
+    corrected[d]  as predicted, for the curve the decision read (each depth times its bias
+                  factor; only evaluations that logged them)
+    own[d]        the adaptive steps at depth d: tokens emitted over the tokens their
+                  predicted goodput promised for their time (what the controller's bias
+                  correction learns; 1.0 where the model was right)
     """
     acc: dict[int, dict] = defaultdict(lambda: {"tok": defaultdict(float), "sec": defaultdict(float),
                                                  "pred": defaultdict(float), "evals": 0,
+                                                 "corr": defaultdict(float), "corr_evals": 0,
+                                                 "own_tok": defaultdict(float),
+                                                 "own_pred": defaultdict(float),
                                                  "share": defaultdict(float)})
     for setting, conc, _res, steps in cells:
         a = acc[conc]
@@ -129,6 +137,9 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
                 a["sec"][fixed] += s["step_s"]
             elif setting == "adaptive":
                 a["share"][s["depth"]] += s["step_s"]
+                if s.get("predicted"):
+                    a["own_tok"][s["depth"]] += s["emitted"]
+                    a["own_pred"][s["depth"]] += s["predicted"] * s["step_s"]
                 curve = s.get("curve")
                 if curve and max((g for g in curve if g is not None), default=0) > 0:
                     top = max(g for g in curve if g is not None)
@@ -136,6 +147,14 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
                         if g is not None:
                             a["pred"][d] += g / top
                     a["evals"] += 1
+                    bias = s.get("bias")
+                    if bias and len(bias) == len(curve):
+                        corr = [None if g is None else g * f for g, f in zip(curve, bias)]
+                        top = max(g for g in corr if g is not None)
+                        for d, g in enumerate(corr):
+                            if g is not None:
+                                a["corr"][d] += g / top
+                        a["corr_evals"] += 1
     out = {}
     for conc, a in sorted(acc.items()):
         total = sum(a["share"].values())
@@ -144,6 +163,10 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
             "predicted": {d: v / a["evals"] for d, v in sorted(a["pred"].items())} if a["evals"] else {},
             "share": {d: t / total for d, t in sorted(a["share"].items())} if total else {},
             "evaluations": a["evals"],
+            "corrected": ({d: v / a["corr_evals"] for d, v in sorted(a["corr"].items())}
+                          if a["corr_evals"] else {}),
+            "own": {d: a["own_tok"][d] / a["own_pred"][d] for d in sorted(a["own_pred"])
+                    if a["own_pred"][d] > 0},
         }
     return out
 
@@ -152,6 +175,7 @@ def curves_markdown(cs: dict[int, dict]) -> str:
     lines = []
     for conc, c in cs.items():
         m, p, sh = c["measured"], c["predicted"], c["share"]
+        corr, own = c.get("corrected", {}), c.get("own", {})
         depths = sorted(set(m) | set(p) | set(sh))
         if not depths:
             continue
@@ -164,6 +188,12 @@ def curves_markdown(cs: dict[int, dict]) -> str:
                   "| same, / best | " + " | ".join(f"{m[d] / top:.2f}" if d in m and top else "" for d in depths) + " |",
                   "| adaptive predicted, / its best | " + " | ".join(f"{p[d]:.2f}" if d in p else "" for d in depths) + " |",
                   "| adaptive time share | " + " | ".join(f"{sh[d]:.0%}" if d in sh else "" for d in depths) + " |"]
+        if corr:
+            lines.append("| adaptive corrected, / its best | "
+                         + " | ".join(f"{corr[d]:.2f}" if d in corr else "" for d in depths) + " |")
+        if own:
+            lines.append("| adaptive steps, measured / predicted | "
+                         + " | ".join(f"{own[d]:.2f}" if d in own else "" for d in depths) + " |")
     return "\n".join(lines) + "\n"
 
 

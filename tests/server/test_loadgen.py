@@ -543,21 +543,25 @@ def test_step_report_curves_put_measured_depths_beside_the_prediction(tmp_path):
     best (mean over its fresh evaluations), and where it ran."""
     from benchmarks import step_report
 
-    def step(t, depth, decode, emitted, step_s, prefill=0, curve=None):
+    def step(t, depth, decode, emitted, step_s, prefill=0, curve=None, bias=None, predicted=None):
         s = {"t": t, "depth": depth, "nodes": depth, "decode": decode, "prefill_seqs": 1 if prefill else 0,
              "prefill_tokens": prefill, "emitted": emitted, "draft_s": 0.0, "verify_s": 0.5 * step_s,
              "step_s": step_s}
         if curve is not None:
-            s.update(predicted=max(curve), curve=curve)
+            s.update(predicted=curve[depth], curve=curve)
+        if bias is not None:
+            s["bias"] = bias
+        if predicted is not None:
+            s["predicted"] = predicted
         return s
 
     logs = {
         "none": [step(1, 0, 4, 4, 0.01), step(2, 0, 4, 4, 0.01)],                      # 400 tok/s
         "static2": [step(1, 2, 4, 12, 0.02), step(2, 2, 2, 6, 0.001),                  # 600; B=2 < 3: left out
                     step(3, 2, 4, 12, 0.5, prefill=100)],                              # a mixed step: left out
-        "adaptive": [step(1, 2, 4, 12, 0.03, curve=[100.0, 200.0, 400.0]),
-                     step(2, 1, 4, 8, 0.01, curve=[100.0, 400.0, 200.0]),
-                     step(3, 1, 4, 8, 0.01)],
+        "adaptive": [step(1, 2, 4, 12, 0.03, curve=[100.0, 200.0, 400.0]),          # 400 tok/s as predicted
+                     step(2, 1, 4, 8, 0.01, curve=[100.0, 400.0, 200.0], bias=[1.0, 0.5, 1.0]),
+                     step(3, 1, 4, 8, 0.01, predicted=1000.0)],                        # 800 of 1000 promised
     }
     (tmp_path / "round0").mkdir()
     for setting, steps in logs.items():
@@ -569,9 +573,15 @@ def test_step_report_curves_put_measured_depths_beside_the_prediction(tmp_path):
     assert c["predicted"] == pytest.approx({0: 0.25, 1: 0.75, 2: 0.75})
     assert c["share"] == pytest.approx({1: 0.4, 2: 0.6})
     assert c["evaluations"] == 2
+    # The decision's curve where it logged its factors: 100, 200, 200 -> / 200.
+    assert c["corrected"] == pytest.approx({0: 0.5, 1: 1.0, 2: 1.0})
+    # Depth 1: 16 tokens emitted where 400 x 0.01 + 1000 x 0.01 = 14 were promised.
+    assert c["own"] == pytest.approx({1: 16 / 14, 2: 1.0})
     table = step_report.curves_markdown({4: c})
     assert "| fixed setting, tok/s | 400 |  | 600 |" in table
     assert "| adaptive time share |  | 40% | 60% |" in table
+    assert "| adaptive corrected, / its best | 0.50 | 1.00 | 1.00 |" in table
+    assert "| adaptive steps, measured / predicted |  | 1.14 | 1.00 |" in table
     png = step_report.plot_curves({4: c}, tmp_path / "curves.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
