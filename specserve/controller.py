@@ -792,12 +792,14 @@ class _Bias:
         as a normal mean with prior sd ``prior_sd`` about 1 and per-step noise estimated from
         the steps (pooled with ``noise_sd`` worth four steps): weight n / (n + noise² /
         prior_sd²). A bias of 20% at one sequence takes ~50 steps to show; at 64, a few."""
-        self._age(step, decay)
-        n = self.weight
+        # Read without aging in place (the metrics scrape reads it from another thread):
+        # the ratio and the mean do not change with the discount, the weight and the spread do.
+        f = (1.0 - decay) ** (step - self.step) if step > self.step else 1.0
+        n = self.weight * f
         if self.predicted <= 0.0 or n <= 0.0:
             return 1.0
-        mean = self.sum_r / n
-        var = (max(0.0, self.sum_r2 - n * mean * mean) + 4.0 * noise_sd ** 2) / (n + 4.0)
+        mean = self.sum_r / self.weight
+        var = (max(0.0, self.sum_r2 - self.weight * mean * mean) * f + 4.0 * noise_sd ** 2) / (n + 4.0)
         ratio = min(hi, max(lo, self.measured / self.predicted))
         shift = (ratio - 1.0) * n / (n + var / prior_sd ** 2)
         # What is left inside the dead band is noise as often as not, and on a flat top a
@@ -1522,5 +1524,8 @@ class AdaptiveController:
             "num_explorations": self.num_explorations,
             "num_guard_trips": self.num_guard_trips,
             "num_tracked_requests": len(self._requests),
+            # batch bucket -> each depth's bias factor (1.0 where it has no figure)
+            "bias_factors": {b: self.bias_factors(b)
+                             for b in sorted({key[0] for key in list(self._bias)})},
             "costs": self.costs.snapshot(),
         }

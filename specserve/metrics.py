@@ -99,6 +99,14 @@ def _controller_metrics(snap: dict):
         c = CounterMetricFamily(name, doc)
         c.add_metric([], snap[key])
         yield c
+    g = GaugeMetricFamily("specserve_controller_bias_factor",
+                          "What the controller's decision multiplies a depth's predicted goodput by: that "
+                          "depth's measured over predicted goodput on its recent steps, shrunk toward 1. "
+                          "Per batch-size bucket.", labels=["batch_size", "depth"])
+    for bucket, factors in snap.get("bias_factors", {}).items():
+        for depth, f in enumerate(factors):
+            g.add_metric([str(bucket), str(depth)], f)
+    yield g
     costs = snap["costs"]
     for name, key, doc in (
         ("specserve_controller_draft_step_seconds", "draft_s_per_step", "Measured time of one draft step."),

@@ -57,6 +57,9 @@ def test_controller_decisions_are_exported(adaptive_server):
     assert after['specserve_controller_verify_seconds{batch_size="1",num_tokens="1"}'] > 0
     assert after['specserve_controller_draft_step_seconds{batch_size="1"}'] > 0
     assert after['specserve_controller_verify_level{batch_size="1"}'] > 0
+    # Each depth's correction at batch size 1, as the controller would read it now.
+    bias = [after[f'specserve_controller_bias_factor{{batch_size="1",depth="{d}"}}'] for d in range(5)]
+    assert bias == pytest.approx(ctrl.bias_factors(1)) and all(0.6 <= f <= 1.5 for f in bias)
 
 
 def test_steps_carry_their_context_and_calibration_measured_its_cost(adaptive_server):
