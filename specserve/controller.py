@@ -211,8 +211,9 @@ above; the plans it picks when a request's acceptance reads high regressing to t
 each (batch bucket, depth) keeps the measured and predicted tokens of its whole steps (sums
 discounted by ``bias_half_life`` steps) and the decision reads every plan's prediction times
 its depth's factor: the ratio shrunk toward 1 as a normal mean with prior sd ``bias_prior_sd``
-and the per-step noise its steps show (at one sequence a step's tokens vary by half their
-mean, so a 20% bias takes ~50 steps to show; at 64 sequences a few), less a dead band of
+and the per-step noise its steps show, pooled with ``bias_noise_sd / sqrt(B)`` (at one
+sequence a step's tokens vary by half their mean, so a 20% bias takes ~50 steps to show and a
+few lucky steps move nothing; at 64 sequences a few steps do), less a dead band of
 ``bias_deadband`` (on a flat top a noise-driven 2% moves the plan). The ratios are taken
 against the model's own predictions, not the corrected ones, so the correction converges to
 the model's error instead of feeding on itself; the guard keeps its own figures. Depths not
@@ -754,57 +755,67 @@ class _Measured:
 
 
 class _Bias:
-    """Measured against predicted tokens of the whole steps of one (batch bucket, depth):
-    sums that forget by ``decay`` a step (engine steps, whichever plan ran them), so a depth
-    not run lately keeps a fading figure. The ratio is measured over predicted goodput,
-    weighted by the steps' time; ``weight`` counts the steps behind it, discounted alike, and
-    the per-step ratios' second moment gives their noise (at one sequence a step's tokens
-    vary by half their mean from step to step, at 64 by a few percent)."""
+    """Measured against predicted, over the whole steps of one (batch bucket, depth), in two
+    parts: tokens (the acceptance model's error, and the regression to the mean of the plans
+    picked when a request's acceptance read high) as a ratio of sums, so that a step of one
+    token and one of nine weigh as the tokens they are; and time (the cost model's error at
+    that depth) as the mean of each step's ratio clipped to ``TIME_CLIP``, so that a slow spell
+    (a step at 8x) counts as one step at 1.5x and not as eight. Sums forget by ``decay`` an
+    engine step (whichever plan ran it), so a depth not run lately keeps a fading figure;
+    ``sum_r``/``sum_r2`` hold each step's combined ratio for the noise."""
 
-    __slots__ = ("measured", "predicted", "weight", "sum_r", "sum_r2", "step")
+    TIME_CLIP = (1 / 1.5, 1.5)
+    __slots__ = ("tokens", "tokens_pred", "time_r", "weight", "sum_r", "sum_r2", "step")
 
     def __init__(self, step: int):
-        self.measured = self.predicted = self.weight = self.sum_r = self.sum_r2 = 0.0
+        self.tokens = self.tokens_pred = self.time_r = self.weight = self.sum_r = self.sum_r2 = 0.0
         self.step = step
 
-    def _age(self, step: int, decay: float) -> None:
+    def add(self, tokens: float, tokens_pred: float, seconds: float, seconds_pred: float,
+            step: int, decay: float) -> None:
         if step > self.step:
             f = (1.0 - decay) ** (step - self.step)
-            self.measured *= f
-            self.predicted *= f
+            self.tokens *= f
+            self.tokens_pred *= f
+            self.time_r *= f
             self.weight *= f
             self.sum_r *= f
             self.sum_r2 *= f
             self.step = step
-
-    def add(self, measured_tokens: float, predicted_tokens: float, step: int, decay: float) -> None:
-        self._age(step, decay)
-        self.measured += measured_tokens
-        self.predicted += predicted_tokens
+        lo, hi = self.TIME_CLIP
+        t = min(hi, max(lo, seconds / seconds_pred))
+        self.tokens += tokens
+        self.tokens_pred += tokens_pred
+        self.time_r += t
         self.weight += 1.0
-        r = measured_tokens / predicted_tokens
+        r = tokens / tokens_pred / t
         self.sum_r += r
         self.sum_r2 += r * r
 
     def factor(self, step: int, decay: float, prior_sd: float, noise_sd: float,
                deadband: float, lo: float, hi: float) -> float:
-        """The correction of the depth's predicted goodput: the measured ratio shrunk toward 1
-        as a normal mean with prior sd ``prior_sd`` about 1 and per-step noise estimated from
-        the steps (pooled with ``noise_sd`` worth four steps): weight n / (n + noise² /
-        prior_sd²). A bias of 20% at one sequence takes ~50 steps to show; at 64, a few."""
-        # Read without aging in place (the metrics scrape reads it from another thread):
-        # the ratio and the mean do not change with the discount, the weight and the spread do.
+        """The correction of the depth's predicted goodput: measured over predicted tokens per
+        second shrunk toward 1 as a normal mean with prior sd ``prior_sd`` about 1 and per-step
+        noise estimated from the steps, pooled with ``noise_sd`` (what the batch size leads to
+        expect) worth eight steps: weight n / (n + noise² / prior_sd²). At one sequence a 20%
+        bias takes ~50 steps to show, and three lucky steps in a row move nothing; at 64, a
+        few steps do."""
+        # Read without aging in place (the metrics scrape reads it from another thread): the
+        # ratios and the mean do not change with the discount, the weight and the spread do.
         f = (1.0 - decay) ** (step - self.step) if step > self.step else 1.0
         n = self.weight * f
-        if self.predicted <= 0.0 or n <= 0.0:
+        if self.tokens_pred <= 0.0 or self.time_r <= 0.0 or n <= 0.0:
             return 1.0
         mean = self.sum_r / self.weight
-        var = (max(0.0, self.sum_r2 - self.weight * mean * mean) * f + 4.0 * noise_sd ** 2) / (n + 4.0)
-        ratio = min(hi, max(lo, self.measured / self.predicted))
+        var = (max(0.0, self.sum_r2 - self.weight * mean * mean) * f + 8.0 * noise_sd ** 2) / (n + 8.0)
+        ratio = (self.tokens / self.tokens_pred) / (self.time_r / self.weight)
+        ratio = min(hi, max(lo, ratio))
         shift = (ratio - 1.0) * n / (n + var / prior_sd ** 2)
         # What is left inside the dead band is noise as often as not, and on a flat top a
-        # few percent either way moves the plan: only the excess corrects.
-        return 1.0 + math.copysign(max(0.0, abs(shift) - deadband), shift)
+        # few percent either way moves the plan: only the excess over the band, or over the
+        # posterior's sd where that is wider (thin evidence), corrects.
+        band = max(deadband, math.sqrt(1.0 / (1.0 / prior_sd ** 2 + n / var)))
+        return 1.0 + math.copysign(max(0.0, abs(shift) - band), shift)
 
 
 @dataclass
@@ -859,7 +870,7 @@ class AdaptiveController:
         guard_min_batch: int = 8,
         bias_half_life: float = 256.0,
         bias_prior_sd: float = 0.1,
-        bias_noise_sd: float = 0.3,
+        bias_noise_sd: float = 0.5,
         bias_deadband: float = 0.03,
         bias_limits: tuple[float, float] = (0.6, 1.5),
     ):
@@ -985,7 +996,8 @@ class AdaptiveController:
         self._scores: dict[Plan, tuple[float, float]] | None = None   # the last evaluation,
         self._scores_key: tuple | None = None                          # the batch it was for,
         self._since_evaluated = 0                                      # and plans since
-        self._planned: tuple[Plan, float] | None = None   # the plan handed out and its predicted goodput
+        # the plan handed out, its predicted goodput and expected tokens per sequence
+        self._planned: tuple[Plan, float, float] | None = None
 
     # ---------------------------------------------------------------- start-up
     def calibrate(
@@ -1249,7 +1261,7 @@ class AdaptiveController:
                     chosen = Plan(d, min(self.max_num_nodes, max(d, cur.num_nodes + d - cur.depth)))
                     self.num_explorations += 1
         self.goodput_estimate, self.expected_tokens_per_pass = scores.get(chosen, scores[cur])
-        self._planned = (chosen, self.goodput_estimate)
+        self._planned = (chosen, self.goodput_estimate, self.expected_tokens_per_pass)
         return self._record(chosen)
 
     def fresh_curve(self) -> list[float] | None:
@@ -1276,12 +1288,15 @@ class AdaptiveController:
             return [1.0] * (self.max_depth + 1)
         b = _bucket(batch_size)
         lo, hi = self.bias_limits
+        # A step's tokens are a sum over its sequences: their spread falls as 1/sqrt(B), down to
+        # what the step's time alone varies by.
+        noise_sd = max(0.1, self.bias_noise_sd / math.sqrt(b))
         out = []
         for d in range(self.max_depth + 1):
             bias = self._bias.get((b, d))
             out.append(1.0 if bias is None else
                        bias.factor(self.num_steps, self.bias_decay, self.bias_prior_sd,
-                                   self.bias_noise_sd, self.bias_deadband, lo, hi))
+                                   noise_sd, self.bias_deadband, lo, hi))
         return out
 
     @staticmethod
@@ -1439,12 +1454,14 @@ class AdaptiveController:
             is_ratio = (planned is not None and planned[1] > 0
                         and planned[0].depth == stats.depth and planned[0].num_nodes == stats.num_nodes)
             if is_ratio:
-                if self.bias_decay is not None:
+                if self.bias_decay is not None and planned[2] > 0:
                     key = (_bucket(B), stats.depth)
                     bias = self._bias.get(key)
                     if bias is None:
                         bias = self._bias[key] = _Bias(self.num_steps)
-                    bias.add(rate * total_s, planned[1] * total_s, self.num_steps, self.bias_decay)
+                    tokens_pred = planned[2] * B
+                    bias.add(rate * total_s, tokens_pred, total_s, tokens_pred / planned[1],
+                             self.num_steps, self.bias_decay)
                 rate /= planned[1]
             key = (_bucket(B), stats.depth)
             m = self._measured.get(key)

@@ -1041,9 +1041,10 @@ def test_the_bias_correction_costs_nothing_where_the_model_is_right():
 
 
 def test_bias_factors_follow_measured_over_predicted_and_fade():
-    ctrl = _with_predictions(calibrated(flat_verify, cheap_draft, probe_interval=0, explore_interval=0,
-                                        guard_interval=0, bias_half_life=50),
-                             lambda: {d: 100.0 * (d + 1) for d in range(9)})
+    ctrl = calibrated(flat_verify, cheap_draft, probe_interval=0, explore_interval=0,
+                      guard_interval=0, bias_half_life=50)
+    # Predicted: 100 x (d + 1) tokens/s, d tokens a sequence (what the steps below emit).
+    ctrl.evaluate = lambda *a, **k: {Plan(d, d): (100.0 * (d + 1), max(d, 1)) for d in range(9)}
     ids = [f"r{i}" for i in range(64)]
     depths = []
     for _ in range(40):
