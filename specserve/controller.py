@@ -208,16 +208,21 @@ session's step logs (adaptive servers, decode-only steps) measured over predicte
 depth 8 at 16 (a cost it has no term for, such as the per-token output work of a step, which
 grows with the tokens a deep plan emits; deep positions' acceptance read from the positions
 above; the plans it picks when a request's acceptance reads high regressing to the mean). So
-each (batch bucket, depth) keeps the measured and predicted tokens of its whole steps (sums
-discounted by ``bias_half_life`` steps) and the decision reads every plan's prediction times
-its depth's factor: the ratio shrunk toward 1 as a normal mean with prior sd ``bias_prior_sd``
-and the per-step noise its steps show, pooled with ``bias_noise_sd / sqrt(B)`` (at one
-sequence a step's tokens vary by half their mean, so a 20% bias takes ~50 steps to show and a
-few lucky steps move nothing; at 64 sequences a few steps do), less a dead band of
-``bias_deadband`` (on a flat top a noise-driven 2% moves the plan). The ratios are taken
-against the model's own predictions, not the corrected ones, so the correction converges to
-the model's error instead of feeding on itself; the guard keeps its own figures. Depths not
-run lately fade back toward 1, and the explorations keep the neighbours of the plan measured.
+each (batch bucket, depth) keeps what its whole steps measured against what was predicted for
+them, in two parts: tokens as a ratio of sums (a step of nine tokens weighs as nine), and
+time as the mean of each step's ratio clipped to 1.5x either way (a step slowed 8x by a spell
+counts once, at 1.5x). Both are sums discounted by ``bias_half_life`` steps, and the decision
+reads every plan's prediction times its depth's factor: the ratio shrunk toward 1 as a normal
+mean with prior sd ``bias_prior_sd`` and the per-step noise its steps show, pooled with
+``bias_noise_sd / sqrt(B)`` worth eight steps (at one sequence a step's tokens vary by half
+their mean, so a 20% bias takes ~50 steps to show and a few lucky steps move nothing; at 64
+sequences a few steps do), less a dead band of ``bias_deadband`` or the posterior's sd where
+that is wider (on a flat top a noise-driven 2% moves the plan, and thin evidence should move
+nothing). The ratios are taken against the model's own predictions, not the corrected ones,
+so the correction converges to the model's error instead of feeding on itself; the guard keeps
+its own figures. Depths not run lately fade back toward 1, and the explorations keep the
+neighbours of the plan measured. What it cannot tell apart: a spell that lasts while one depth
+runs is read as that depth's cost (the fifteenth session's sweep, RESULTS.md).
 
 **Hysteresis.** The current plan is kept unless the best plan's predicted goodput beats it by
 more than ``switch_margin`` (relative), or some other plan has been best for
