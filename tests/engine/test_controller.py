@@ -52,6 +52,18 @@ def simulate(ctrl, steps, batch_size, acceptance, verify_fn, draft_fn, rng, ids=
     return plans
 
 
+def draw_accepted(depth, num_seqs, a, rng):
+    """Accepted draft tokens of each of num_seqs chains of `depth`, each position kept with
+    probability a."""
+    out = []
+    for _ in range(num_seqs):
+        n = 0
+        while n < depth and rng.random() < a:
+            n += 1
+        out.append(n)
+    return out
+
+
 def true_goodput(depth, batch_size, a, verify_fn, draft_fn):
     """Tokens/s of a chain plan under the simulator's true costs and constant acceptance a."""
     expected = 1 + sum(a ** k for k in range(1, depth + 1))
@@ -658,12 +670,7 @@ def test_speculates_at_high_load_with_long_contexts_when_it_pays():
             ctx = B * per_seq
             plan = ctrl.plan(B, ids, ctx)
             plans.append(plan)
-            accepted = []
-            for _ in ids:
-                n = 0
-                while n < plan.depth and rng.random() < 0.8:
-                    n += 1
-                accepted.append(n)
+            accepted = draw_accepted(plan.depth, len(ids), 0.8, rng)
             ctrl.observe(StepStats(
                 batch_size=B, depth=plan.depth, num_nodes=plan.num_nodes,
                 draft_s=plan.depth * ctx_draft_level(B, ctx),
@@ -1001,12 +1008,7 @@ def _run_with_hidden_cost(bias: bool, batch_size: int, per_token: float, steps: 
     tokens_sum = time_sum = 0.0
     for i in range(steps):
         plan = ctrl.plan(batch_size, ids)
-        acc = []
-        for _ in ids:
-            n = 0
-            while n < plan.depth and rng.random() < 0.8:
-                n += 1
-            acc.append(n)
+        acc = draw_accepted(plan.depth, len(ids), 0.8, rng)
         tokens = sum(acc) + batch_size
         draft_s = plan.depth * cheap_draft(batch_size)
         verify_s = roofline_verify(batch_size, batch_size * (plan.num_nodes + 1))
