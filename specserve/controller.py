@@ -987,8 +987,7 @@ class AdaptiveController:
         # Each depth's predicted goodput corrected by what its steps measured (see "Bias" in
         # the module docstring): (batch bucket, depth) -> discounted sums.
         self._bias: dict[tuple[int, int], _Bias] = {}
-        self._decided: dict[Plan, tuple[float, float]] | None = None   # the corrected scores
-        self._factors: list[float] = [1.0] * (max_depth + 1)            # and the factors
+        self._factors: list[float] = [1.0] * (max_depth + 1)   # those the last evaluation read
         self._guard_hold_until: dict[int, int] = {}
         self._guard_holds_in_row: dict[int, int] = {}   # bucket -> trips in a row (the backoff)
         self._guard_countdown = guard_interval
@@ -1238,10 +1237,10 @@ class AdaptiveController:
             scores = self.evaluate(batch_size, request_ids, context_tokens, depth_caps)
             self._scores, self._scores_key, self._since_evaluated = scores, batch_key, 0
             self._factors = self.bias_factors(batch_size)
-            self._decided = self._corrected(scores, self._factors)
+            cur = self._decide(self._corrected(scores, self._factors))
         else:
             scores = self._scores
-        cur = self._decide(self._decided) if fresh else self.current
+            cur = self.current
         cur = self._guard(batch_size, cur, scores)
         self.current = cur
 
