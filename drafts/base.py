@@ -15,12 +15,17 @@ class TreeShape:
     """What to build this step: `depth` levels; `kind` chain | fixed | dynamic.
     fixed: node at depth d gets branching[d-1] children (its draft top-k);
     dynamic: each level expands the top-`topk` children of the `topk` most probable
-    frontier nodes; the best `num_nodes` nodes by path probability are kept (EAGLE-2)."""
+    frontier nodes; the best `num_nodes` nodes by path probability are kept (EAGLE-2).
+    A chain may stop short of `depth` for a sequence whose path probability fell below
+    `stop_below` (its last node, the one that fell below, is kept)."""
 
     kind: str
     depth: int
     branching: tuple[int, ...] = ()
     topk: int = 4
+    # Chains: a sequence stops growing once its path probability (the product of the draft's
+    # probabilities of its nodes) is below this; 0 = always to `depth`.
+    stop_below: float = 0.0
 
 
 class Drafter(Protocol):

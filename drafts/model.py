@@ -108,11 +108,13 @@ class ModelDrafter:
         for req, end in ends:
             req.num_draft_computed_tokens = end
         parents = [[-1] for _ in active]
+        stop = shape.kind == "chain" and shape.stop_below > 0.0
         for depth in range(1, shape.depth + 1):
             if logits is None or not active:
                 break
             self._expand(active, parents, logits, shape, depth)
-            active = [g for g in active if g.frontier and depth < g.max_depth]
+            active = [g for g in active if g.frontier and depth < g.max_depth
+                      and not (stop and g.tree.path_probs[-1] < shape.stop_below)]
             if not active:
                 break
             inp = ForwardInput()
@@ -137,9 +139,14 @@ class ModelDrafter:
             params = [g.req.params for g, plist in zip(active, parents) for _ in plist]
             tensors = SamplingTensors.from_params(params, logits.device)
             q = target_probs(logits, tensors.temperature, tensors.top_k, tensors.top_p)  # [R, V]
-        if shape.kind == "chain" and q is None:
+        if shape.kind == "chain" and q is None and shape.stop_below > 0.0:
+            # The argmax and its probability, exp(max - logsumexp), for the early stop.
+            top, chosen = logits.float().max(dim=-1)
+            top_p_vals = torch.exp(top - torch.logsumexp(logits.float(), dim=-1)).tolist()
+            chosen = chosen.tolist()
+        elif shape.kind == "chain" and q is None:
             chosen = logits.argmax(dim=-1).tolist()
-            top_p_vals = [1.0] * len(chosen)  # a chain needs no path probabilities
+            top_p_vals = [1.0] * len(chosen)  # a chain without early stop needs no path probabilities
         elif shape.kind == "chain":
             gens = [g.req.generator for g, plist in zip(active, parents) for _ in plist]
             chosen = sample(logits, tensors.temperature, tensors.top_k, tensors.top_p, gens).tolist()
@@ -220,6 +227,7 @@ class ModelDrafter:
             tree = tree.select(order[: g.budget])
         elif shape.kind != "chain":
             tree = tree.select(list(range(tree.num_nodes)))  # BFS order
+        tree.room = g.max_depth
         return tree
 
     def forget(self, request: Request) -> None:

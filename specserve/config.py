@@ -60,6 +60,12 @@ class SpecConfig(_Section):
     branching: list[PositiveInt] = []  # fixed trees: children per depth, e.g. [4, 2, 2, 1]
     num_nodes: PositiveInt = 16  # dynamic trees: node budget (root excluded)
     topk: PositiveInt = 4  # dynamic trees: children expanded per frontier node
+    # Chains: a sequence's draft stops growing this step once the draft's probability of its
+    # path falls below a threshold (the draft is unsure; deeper nodes would mostly be rejected).
+    # "auto": the adaptive controller sets the threshold each step from its cost model, as
+    # goodput x the time one more node costs (static mode: off); a number: that threshold
+    # (static depth becomes the cap); "off": every chain is drafted to the plan's depth.
+    early_stop: Literal["auto", "off"] | Annotated[float, Meta(ge=0.0, le=1.0)] = "auto"
 
 
 class CacheConfig(_Section):

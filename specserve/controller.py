@@ -272,6 +272,11 @@ class StepStats:
     seq_depths: list[int] | None = None
     num_tokens: int | None = None
     draft_depth: int | None = None
+    # Chains with early stop: [B] the depth each request's chain was really drafted to (at
+    # most its seq_depths entry; shorter where the draft's path probability fell below the
+    # plan's threshold). Positions past it count as not accepted. None: every chain ran to
+    # its seq_depths entry (or the plan's depth).
+    drafted_depths: list[int] | None = None
     # Tokens already in the KV cache of the step's decoding sequences, summed (what the
     # attention of every row reads); None: unknown, costs taken as at the reference context.
     context_tokens: int | None = None
@@ -878,6 +883,7 @@ class AdaptiveController:
         bias_noise_sd: float = 0.5,
         bias_deadband: float = 0.03,
         bias_limits: tuple[float, float] = (0.6, 1.5),
+        stop_scale: float = 1.0,
     ):
         if mode not in ("adaptive", "static"):
             raise ValueError(f"controller mode must be 'adaptive' or 'static', got {mode!r}")
@@ -949,10 +955,18 @@ class AdaptiveController:
         self.bias_deadband = bias_deadband
         self.bias_limits = bias_limits
         self.probe_depth = max(1, min(probe_depth, max_depth)) if max_depth else 0
+        if stop_scale < 0:
+            raise ValueError(f"stop_scale must be >= 0 (0: no early stop), got {stop_scale}")
+        self.stop_scale = stop_scale
 
         self.costs = CostModel(cost_alpha)
         # Global per-position acceptance a_k (index k-1) and sibling acceptance b.
         self.acceptance = [prior_acceptance] * max_depth
+        # Early stop (chains): continuation c_k = P(a chain allowed past depth k that reached it
+        # goes on to k + 1); c_0 = 1. reach()[k] = c_0 ... c_k is the share of sequences that
+        # draft position k + 1, which prices a plan's verify rows and draft levels.
+        self.continuation = [1.0] * max_depth
+        self._last_context: int | None = None
         self.sibling_acceptance = prior_sibling_acceptance
         self._requests: dict[Hashable, _RequestAcceptance] = {}
         self._steps_since_seen = [0] * max_depth   # steps since position k got data
@@ -995,6 +1009,7 @@ class AdaptiveController:
         self.depth_histogram: dict[int, int] = {}
         self.goodput_estimate = 0.0          # predicted tokens/s of the last plan
         self.expected_tokens_per_pass = 1.0  # predicted tokens per sequence per verify pass
+        self.stop_below = 0.0                # the last plan's early-stop path probability (chains)
         self.measured_goodput = 0.0          # EMA of observed tokens/s
         self.last_plan = self.current
         self._scores: dict[Plan, tuple[float, float]] | None = None   # the last evaluation,
@@ -1147,8 +1162,17 @@ class AdaptiveController:
         # Rows verified: each sequence's pending token and its nodes; a request capped below
         # the plan's depth has its tree cut there (a chain's nodes to its cap).
         short = [c for c in caps if c < self.max_depth]   # usually none, or the few near their end
+        # A chain's position k is drafted and verified only where the early stop has not cut
+        # it: reach[k-1] of the sequences (1 everywhere without early stop).
+        reach = self.reach()
+        cum_reach = [0.0]
+        for r in reach:
+            cum_reach.append(cum_reach[-1] + r)
 
-        def rows(d: int, n: int) -> int:
+        def rows(d: int, n: int) -> float:
+            if n == d:   # a chain
+                cut = sum(cum_reach[d] - cum_reach[c] for c in short if c < d)
+                return max(float(B), B * (1.0 + cum_reach[d]) - scale * cut)
             cut = sum(n - c for c in short if c < d and c < n)
             return max(B, round(B * (n + 1) - scale * cut))
         plan_rows = {(d, n): rows(d, n) for d, budgets in enumerate(all_budgets) for n in budgets}
@@ -1157,10 +1181,16 @@ class AdaptiveController:
         t_verify0 = verify[B]
         # Before the first draft measurement, guess a draft step at a fraction of a decode
         # pass; the first speculative step replaces the guess with a measurement.
+        # Draft levels: level k + 1 runs while any sequence still drafts position k + 1.
+        levels = [0.0]
+        for r in reach:
+            levels.append(levels[-1] + 1.0 - (1.0 - r) ** B)
+        if self.max_num_nodes > self.max_depth:   # trees: every level runs
+            levels = [float(d) for d in range(self.max_depth + 1)]
         if self.costs.has_draft:
-            drafts = self.costs.t_draft_total_many(B, range(self.max_depth + 1), ctx)
+            drafts = self.costs.t_draft_total_many(B, levels, ctx)
         else:
-            drafts = [d * self.draft_cost_guess * t_verify0 for d in range(self.max_depth + 1)]
+            drafts = [x * self.draft_cost_guess * t_verify0 for x in levels]
         t_step = self.costs.t_overhead(B)
         for d in range(self.max_depth + 1):
             budgets = all_budgets[d]
@@ -1176,6 +1206,15 @@ class AdaptiveController:
                     total = from_paths * B
                 cost = t_step + drafts[d] + verify[plan_rows[d, n]]
                 out[Plan(d, n)] = (total / cost if cost > 0 else 0.0, total / B)
+        return out
+
+    def reach(self) -> list[float]:
+        """[max_depth] the share of sequences whose chain drafts position k + 1 (early stop;
+        all 1 without it): the product of the continuations up to k."""
+        out, r = [], 1.0
+        for c in self.continuation:
+            r *= c
+            out.append(r)
         return out
 
     def tree_estimate(self, depth: int, num_nodes: int) -> float | None:
@@ -1233,6 +1272,7 @@ class AdaptiveController:
         self._since_evaluated += 1
         fresh = (self._scores is None or batch_key != self._scores_key
                  or self._since_evaluated >= self.replan_interval)
+        self._last_context = context_tokens
         if fresh:
             scores = self.evaluate(batch_size, request_ids, context_tokens, depth_caps)
             self._scores, self._scores_key, self._since_evaluated = scores, batch_key, 0
@@ -1266,7 +1306,29 @@ class AdaptiveController:
                     self.num_explorations += 1
         self.goodput_estimate, self.expected_tokens_per_pass = scores.get(chosen, scores[cur])
         self._planned = (chosen, self.goodput_estimate, self.expected_tokens_per_pass)
+        self.stop_below = self.stop_threshold(batch_size, chosen, scores)
         return self._record(chosen)
+
+    def stop_threshold(self, batch_size: int, plan: Plan, scores: dict[Plan, tuple[float, float]]) -> float:
+        """The path probability below which a chain stops growing this step (early stop).
+
+        One more node on one sequence's chain, at draft path probability p, is accepted with
+        about probability p (the embedded draft is calibrated: benchmarks/RESULTS.md) and
+        costs its share of a draft level and one verify row. It raises the step's goodput
+        G = tokens / time when p > G x dt: that is the threshold, with G the plan's predicted
+        goodput and dt what one more depth of the plan costs per sequence (verify rows and a
+        draft level, from the cost model). Trees and plain steps: 0."""
+        d = plan.depth
+        if d == 0 or plan.num_nodes != d or self.stop_scale == 0 or not self.costs.has_verify:
+            return 0.0
+        B = max(1, batch_size)
+        g = scores.get(plan, (0.0, 0.0))[0]
+        lo = min(d, self.max_depth - 1)
+        ctx = self._last_context
+        v = self.costs.t_verify_many(B, [B * (lo + 1), B * (lo + 2)], ctx)
+        dr = self.costs.t_draft_total_many(B, [lo, lo + 1], ctx) if self.costs.has_draft else [0.0, 0.0]
+        dt = max(0.0, (v[1] - v[0]) + (dr[1] - dr[0])) / B
+        return min(1.0, max(0.0, self.stop_scale * g * dt))
 
     def fresh_curve(self) -> list[float] | None:
         """When the last plan came from a fresh evaluation: the predicted goodput of each depth
@@ -1476,6 +1538,8 @@ class AdaptiveController:
 
         d = min(stats.depth, self.max_depth)
         is_tree = stats.num_nodes > stats.depth
+        if d > 1 and not is_tree:
+            self._observe_continuation(stats, d)
         if is_tree and stats.path_probs:
             self._observe_tree_paths(stats)
         alt_counts = self._alternate_counts(d, stats.num_nodes, self.acceptance) if is_tree else []
@@ -1487,13 +1551,15 @@ class AdaptiveController:
                 r = self._requests[rid] = _RequestAcceptance(
                     self.global_acceptance(), [0] * self.max_depth)
             d_i = min(d, stats.seq_depths[i]) if stats.seq_depths else d
+            drafted = d_i if stats.drafted_depths is None else min(d_i, stats.drafted_depths[i])
             for k in range(min(n_acc + 1, d_i)):   # position k+1
                 if ranks is not None and k < n_acc and ranks[k] > 0:
                     spine = 0.0   # an alternate won at this depth: the first choice was rejected
                     if alt_counts and alt_counts[k] > 0:
                         self.sibling_acceptance += ga * (1.0 - self.sibling_acceptance)
                 else:
-                    spine = 1.0 if k < n_acc else 0.0
+                    # A position the early stop left undrafted counts as not accepted.
+                    spine = 1.0 if k < n_acc and k < drafted else 0.0
                     # Stopped here although alternates existed: they all failed. (Without
                     # ranks an alternate's success counts as the spine's.)
                     if spine == 0.0 and alt_counts and alt_counts[k] > 0:
@@ -1525,6 +1591,20 @@ class AdaptiveController:
                 target = self.prior_acceptance if k == 0 else self.acceptance[k - 1]
                 self.acceptance[k] += self.stale_decay * (target - self.acceptance[k])
 
+    def _observe_continuation(self, stats: StepStats, d: int) -> None:
+        """Each chain's continuations this step: from position k to k + 1 for k below its
+        allowed depth, 1 while it went on, 0 where the early stop ended it."""
+        ga = self.acceptance_alpha
+        c = self.continuation
+        for i in range(len(stats.num_accepted)):
+            allowed = min(d, stats.seq_depths[i]) if stats.seq_depths else d
+            drafted = allowed if stats.drafted_depths is None else min(allowed, stats.drafted_depths[i])
+            for k in range(1, allowed):
+                went_on = 1.0 if k < drafted else 0.0
+                c[k] += ga * (went_on - c[k])
+                if not went_on:
+                    break
+
     # ---------------------------------------------------------------- metrics
     def snapshot(self) -> dict:
         """Plain values for the metrics module (DESIGN.md §6: depth histogram, acceptance per
@@ -1538,6 +1618,8 @@ class AdaptiveController:
             "sibling_acceptance": self.sibling_acceptance,
             "goodput_estimate": self.goodput_estimate,
             "expected_tokens_per_pass": self.expected_tokens_per_pass,
+            "stop_below": self.stop_below,
+            "reach_per_position": self.reach(),
             "measured_goodput": self.measured_goodput,
             "num_steps": self.num_steps,
             "num_plan_changes": self.num_plan_changes,

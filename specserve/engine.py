@@ -281,6 +281,9 @@ class LLMEngine:
         controller = self.spec.controller
         if controller is not None:
             record["predicted"] = round(controller.goodput_estimate, 2)
+            if plan.stop_below:
+                record["stop"] = round(plan.stop_below, 3)
+                record["drafted"] = self.spec.last_drafted
             curve = controller.fresh_curve()
             if curve is not None:
                 record["curve"] = [None if g is None else round(g, 2) for g in curve]

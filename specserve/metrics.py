@@ -78,6 +78,12 @@ def _controller_metrics(snap: dict):
     for pos, a in enumerate(snap["acceptance_per_position"]):
         g.add_metric([str(pos + 1)], a)
     yield g
+    g = GaugeMetricFamily("specserve_controller_reach_estimate",
+                          "Estimated share of chains drafted as far as `position` (below 1 where the early "
+                          "stop ends chains on the draft's doubt).", labels=["position"])
+    for pos, r in enumerate(snap.get("reach_per_position", [])):
+        g.add_metric([str(pos + 1)], r)
+    yield g
     for name, key, doc in (
         ("specserve_controller_goodput_estimate", "goodput_estimate",
          "Predicted committed tokens per second of the plan in use."),
@@ -86,6 +92,8 @@ def _controller_metrics(snap: dict):
         ("specserve_controller_expected_tokens_per_pass", "expected_tokens_per_pass",
          "Predicted tokens per sequence per target pass of the plan in use."),
         ("specserve_controller_num_nodes", "num_nodes", "Tree nodes per sequence of the plan in use."),
+        ("specserve_controller_stop_threshold", "stop_below",
+         "Draft path probability below which a chain stops growing (early stop; 0 = none) in the plan in use."),
     ):
         g = GaugeMetricFamily(name, doc)
         g.add_metric([], snap[key])

@@ -37,6 +37,7 @@ logger = logging.getLogger("specserve")
 class Plan:
     depth: int = 0  # tree levels; 0 = plain decode
     num_nodes: int = 0  # tree nodes per sequence (root excluded)
+    stop_below: float = 0.0  # chains: a sequence stops drafting below this path probability
 
 
 @dataclass
@@ -106,12 +107,14 @@ class Speculator:
         self._step_stats = None  # this step's StepStats, completed by end_step()
         self._step_measured_s = 0.0  # its draft + verify time
         self.last_timing = (0.0, 0.0)  # the last step's draft and verify seconds, prefill or not (the step log)
+        self.last_drafted = 0  # tree nodes the last step verified, all sequences together (the step log)
 
     # -- the plan ------------------------------------------------------------------------
 
-    def shape(self, depth: int) -> TreeShape:
+    def shape(self, depth: int, stop_below: float = 0.0) -> TreeShape:
         spec = self.config.spec
-        return TreeShape(kind=self.tree_kind, depth=depth, branching=tuple(spec.branching), topk=spec.topk)
+        return TreeShape(kind=self.tree_kind, depth=depth, branching=tuple(spec.branching), topk=spec.topk,
+                         stop_below=stop_below)
 
     def num_nodes(self, depth: int) -> int:
         spec = self.config.spec
@@ -141,7 +144,17 @@ class Speculator:
         if self.tree_kind == "fixed":
             depth = min(depth, len(self.config.spec.branching))
         self.totals.last_depth = depth
-        return Plan(depth, self.num_nodes(depth) if num_nodes is None else num_nodes)
+        return Plan(depth, self.num_nodes(depth) if num_nodes is None else num_nodes, self._stop_below(depth))
+
+    def _stop_below(self, depth: int) -> float:
+        """[spec] early_stop for this step's chains: the controller's threshold ("auto",
+        adaptive mode), the configured number, or 0 (off, trees, plain steps)."""
+        setting = self.config.spec.early_stop
+        if depth == 0 or self.tree_kind != "chain" or setting == "off":
+            return 0.0
+        if setting == "auto":
+            return self.controller.stop_below if self.controller is not None else 0.0
+        return float(setting)
 
     def calibrate(self, max_batch_size: int, context: int = 32, long_context: int = 256) -> None:
         """Warm-start the controller's cost tables with dummy forwards (DESIGN.md §6): one
@@ -318,9 +331,12 @@ class Speculator:
         # levels than the plan's: the costs are booked under what ran, and each request's
         # acceptance counts only the depths its own tree had.
         trees = trees or []
+        # A chain that stopped early on the draft's doubt (early_stop) still counts the depths
+        # it was allowed: the positions it did not propose count as not accepted, so acceptance
+        # is what this policy gets from each depth, and the plan's tokens are not overrated.
         cut = plan.num_nodes > 0 and (len(trees) < len(decoding) or any(
             t.num_nodes < plan.num_nodes for t in trees))
-        seq_depths = [max(t.depths, default=0) for t in trees] if cut else None
+        seq_depths = [t.max_depth if t.room is None else min(t.room, plan.depth) for t in trees] if cut else None
         self._step_stats = StepStats(
             batch_size=len(decoding),
             depth=plan.depth,
@@ -331,7 +347,8 @@ class Speculator:
             request_ids=request_ids,
             seq_depths=seq_depths,
             num_tokens=len(decoding) + sum(t.num_nodes for t in trees) if cut else None,
-            draft_depth=max(seq_depths, default=0) if cut else None,
+            draft_depth=max((t.max_depth for t in trees), default=0) if cut else None,
+            drafted_depths=[t.max_depth for t in trees] if cut else None,
             context_tokens=context_tokens,
         )
         if trees and plan.num_nodes > plan.depth and all(t.path_probs for t in trees):
@@ -372,8 +389,9 @@ class Speculator:
         # pending token and the accepted run (at most depth + 1 tokens); after a spell at
         # depth 0, a whole backlog. Such a step's draft time says nothing about a draft step.
         backlog = max((s.request.num_tokens - s.request.num_draft_computed_tokens for s in spec_seqs), default=0)
-        trees = self.drafter.propose(spec_seqs, self.shape(plan.depth), prefills)
+        trees = self.drafter.propose(spec_seqs, self.shape(plan.depth, plan.stop_below), prefills)
         tree_of = {s.request.request_id: t for s, t in zip(spec_seqs, trees) if t.num_nodes > 0}
+        self.last_drafted = sum(t.num_nodes for t in tree_of.values())
         t1 = time.perf_counter()
 
         inp = ForwardInput()

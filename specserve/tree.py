@@ -20,6 +20,10 @@ class DraftTree:
     is_sampled: list[bool] = field(default_factory=list)  # [n] drawn from draft_probs (else chosen deterministically)
     draft_probs: torch.Tensor | None = None  # [n, V] distribution each sampled node was drawn from
     path_probs: list[float] = field(default_factory=list)  # [n] draft probability of the path to each node
+    # The depth the drafter was allowed for this sequence (the plan's, cut at max_tokens or the
+    # context's end); a chain shorter than it stopped on the draft's own doubt (early_stop).
+    # None: not recorded (the tree's own depth is taken).
+    room: int | None = None
 
     @property
     def num_nodes(self) -> int:
