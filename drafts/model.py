@@ -4,7 +4,10 @@ Each propose() starts with one "catch-up" forward over every token the draft has
 (prompt chunks being prefilled, the target's bonus token, tokens accepted from a branch),
 whose last row gives the first level of the tree. Each further level is one more forward:
 - chain: feed the newest node only; its KV lands at its final position, so after
-  verification the draft keeps the KV of the accepted nodes it has fed (no copy, no redo);
+  verification the draft keeps the KV of the accepted nodes it has fed (no copy, no redo).
+  With early stop (TreeShape.stop_below) a sequence leaves the level loop after the first
+  node whose path probability (the product of the draft's probabilities of its nodes) is
+  below the threshold; the levels run while any sequence still grows;
 - trees: feed every expanded node so far with the ancestor mask (rows are rewritten each
   level, which keeps slot use inside the reserved scratch). After verification the draft's
   tree KV is dropped and the accepted tokens are caught up in the next step's first forward.

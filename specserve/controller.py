@@ -1313,11 +1313,12 @@ class AdaptiveController:
         """The path probability below which a chain stops growing this step (early stop).
 
         One more node on one sequence's chain, at draft path probability p, is accepted with
-        about probability p (the embedded draft is calibrated: benchmarks/RESULTS.md) and
-        costs its share of a draft level and one verify row. It raises the step's goodput
-        G = tokens / time when p > G x dt: that is the threshold, with G the plan's predicted
-        goodput and dt what one more depth of the plan costs per sequence (verify rows and a
-        draft level, from the cost model). Trees and plain steps: 0."""
+        about probability p (the embedded draft is calibrated: benchmarks/RESULTS.md). It
+        raises the step's goodput G = tokens / time when p > G x dt, dt what that one node
+        adds to the step: a verify row (the verify pass's cost per token near the plan's
+        rows), and a draft level only when no other sequence of the batch goes on to that
+        depth (a level runs for every chain still growing; at one sequence it is all its
+        own, in a batch whose chains mostly go on it is nearly free). Trees and plain steps: 0."""
         d = plan.depth
         if d == 0 or plan.num_nodes != d or self.stop_scale == 0 or not self.costs.has_verify:
             return 0.0
@@ -1325,10 +1326,18 @@ class AdaptiveController:
         g = scores.get(plan, (0.0, 0.0))[0]
         lo = min(d, self.max_depth - 1)
         ctx = self._last_context
-        v = self.costs.t_verify_many(B, [B * (lo + 1), B * (lo + 2)], ctx)
-        dr = self.costs.t_draft_total_many(B, [lo, lo + 1], ctx) if self.costs.has_draft else [0.0, 0.0]
-        dt = max(0.0, (v[1] - v[0]) + (dr[1] - dr[0])) / B
-        return min(1.0, max(0.0, self.stop_scale * g * dt))
+        # The secant over two depths: one row's cost read at a single point of the verify row
+        # jumps with the CPU's odd and even row counts.
+        n0, n1 = B * max(1, lo), B * (lo + 2)
+        v = self.costs.t_verify_many(B, [n0, n1], ctx)
+        row = max(0.0, v[1] - v[0]) / (n1 - n0)
+        level = 0.0
+        if self.costs.has_draft:
+            dr = self.costs.t_draft_total_many(B, [lo, lo + 1], ctx)
+            # How often a chain that reached a depth of this plan went on (1 until measured).
+            went_on = sum(self.continuation[1:d]) / (d - 1) if d > 1 else 1.0
+            level = max(0.0, dr[1] - dr[0]) * (1.0 - went_on) ** (B - 1)
+        return min(1.0, max(0.0, self.stop_scale * g * (row + level)))
 
     def fresh_curve(self) -> list[float] | None:
         """When the last plan came from a fresh evaluation: the predicted goodput of each depth

@@ -494,6 +494,7 @@ def test_tree_expected_accepted():
     ({"max_depth": 4, "max_num_nodes": 2}, "2"),
     ({"prior_acceptance": 1.5}, "1.5"),
     ({"bias_limits": (1.2, 1.5)}, "1.2"),
+    ({"stop_scale": -0.5}, "-0.5"),
 ])
 def test_bad_arguments_name_the_value(kw, word):
     with pytest.raises(ValueError, match=word):
@@ -1065,3 +1066,56 @@ def test_bias_factors_follow_measured_over_predicted_and_fade():
     # prior shrinks it back toward 1.
     ctrl.num_steps += 150
     assert ctrl.bias_factors(64)[8] > f[8] + 0.05
+
+
+def test_the_stop_threshold_is_goodput_times_what_one_more_node_costs():
+    # A node at draft path probability p adds about p tokens; it pays when p / dt beats the
+    # plan's goodput G, dt what it adds to the step: a verify row, and a draft level where no
+    # other chain of the batch goes on (one sequence: always). One sequence with a flat
+    # verify: dt is about a draft level. 16 sequences whose chains all go on, past the
+    # roofline: a row's 0.16 ms, the level shared.
+    for batch_size, verify in ((1, flat_verify), (16, roofline_verify)):
+        rng = random.Random(2)
+        ctrl = calibrated(verify, cheap_draft)
+        plans = simulate(ctrl, 200, batch_size, 0.8, verify, cheap_draft, rng)
+        plan = plans[-1]
+        assert plan.depth > 0
+        ids = [f"r{i}" for i in range(batch_size)]
+        scores = ctrl.evaluate(batch_size, ids)
+        d = plan.depth
+        n0, n1 = batch_size * max(1, d), batch_size * (d + 2)
+        row = (verify(batch_size, n1) - verify(batch_size, n0)) / (n1 - n0)
+        level = cheap_draft(batch_size) if batch_size == 1 else 0.0
+        assert ctrl.stop_threshold(batch_size, plan, scores) == pytest.approx(
+            scores[plan][0] * (row + level), rel=0.15), batch_size
+    assert ctrl.stop_threshold(16, Plan(0, 0), ctrl.evaluate(16, ids)) == 0.0
+    # Where chains mostly stop, a level is the last growing chain's own again: dearer.
+    going_on = ctrl.stop_threshold(16, plan, scores)
+    ctrl.continuation = [1.0] + [0.1] * (ctrl.max_depth - 1)
+    assert ctrl.stop_threshold(16, plan, scores) > going_on + 0.1
+    assert AdaptiveController(stop_scale=0).stop_threshold(1, Plan(3, 3), {Plan(3, 3): (100.0, 2.0)}) == 0.0
+
+
+def test_chains_that_stop_early_are_priced_at_the_rows_they_reach():
+    # Every chain stops after 2 nodes whatever the plan's depth (the draft is sure of two
+    # tokens at a time, then unsure): positions past 2 are not drafted, so they count as not
+    # accepted, and past 2 a deeper plan adds no verify rows and no draft level. Depths 2..8
+    # then predict the same goodput, where pricing every allowed row would make them dearer.
+    ctrl = calibrated(roofline_verify, cheap_draft, probe_interval=0, explore_interval=0, guard_interval=0)
+    ids = [f"r{i}" for i in range(16)]
+    for depth in (6, 8, 4) * 60:
+        ctrl.observe(StepStats(batch_size=16, depth=depth, num_nodes=depth, draft_s=2 * 0.001,
+                               verify_s=roofline_verify(16, 16 * 3), num_accepted=[2] * 16,
+                               request_ids=ids, seq_depths=[depth] * 16, num_tokens=16 * 3,
+                               draft_depth=2, drafted_depths=[2] * 16))
+    reach = ctrl.reach()
+    assert reach[:2] == [1.0, 1.0] and max(reach[2:]) < 0.01
+    assert ctrl.acceptance[2] < 0.05   # position 3: never drafted, never accepted
+    scores = ctrl.evaluate(16, ids)
+    g2 = scores[Plan(2, 2)][0]
+    for d in range(3, 9):
+        assert scores[Plan(d, d)][0] == pytest.approx(g2, rel=0.03), d
+    # Chains that always ran to the plan's depth keep every position reached.
+    full = calibrated(roofline_verify, cheap_draft)
+    simulate(full, 100, 16, 0.8, roofline_verify, cheap_draft, random.Random(3))
+    assert full.reach() == [1.0] * full.max_depth

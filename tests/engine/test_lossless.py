@@ -53,21 +53,21 @@ def _probs(model, prefix: list[int]) -> torch.Tensor:
     return target_probs(logits, torch.tensor([TEMPERATURE]), torch.tensor([TOP_K]), torch.tensor([TOP_P]))[0]
 
 
-def exact_joint(path, first_from=None) -> dict[tuple[int, ...], float]:
-    """Exact distribution of the 3-token continuation of PROMPT. With `first_from`, x1 comes
-    from that model (the target: the prefill samples it) and x2, x3 from `path`."""
+def exact_joint(path, first_from=None, length: int = 3) -> dict[tuple[int, ...], float]:
+    """Exact distribution of the `length`-token continuation of PROMPT. With `first_from`, x1
+    comes from that model (the target: the prefill samples it) and the rest from `path`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64).eval()
     first = AutoModelForCausalLM.from_pretrained(str(first_from), dtype=torch.float64).eval() if first_from else model
-    joint = {}
-    p1 = _probs(first, PROMPT)
-    for x1 in p1.nonzero().flatten().tolist():
-        p2 = _probs(model, PROMPT + [x1])
-        for x2 in p2.nonzero().flatten().tolist():
-            p3 = _probs(model, PROMPT + [x1, x2])
-            for x3 in p3.nonzero().flatten().tolist():
-                joint[(x1, x2, x3)] = float(p1[x1] * p2[x2] * p3[x3])
+    joint = {(): 1.0}
+    for i in range(length):
+        nxt = {}
+        for prefix, p in joint.items():
+            probs = _probs(first if i == 0 else model, PROMPT + list(prefix))
+            for x in probs.nonzero().flatten().tolist():
+                nxt[prefix + (x,)] = p * float(probs[x])
+        joint = nxt
     assert abs(sum(joint.values()) - 1.0) < 1e-9
     return joint
 
@@ -81,11 +81,12 @@ def bound(k: int, n: int) -> float:
     return 0.5 * math.sqrt(k / n) + math.sqrt(math.log(1000) / (2 * n))
 
 
-def sample_engine(target, draft, tree: str, n: int = N, seed0: int = 0, check_rejections=True):
+def sample_engine(target, draft, tree: str, n: int = N, seed0: int = 0, check_rejections=True,
+                  length: int = 3, **kw):
     llm = LLM(target=str(target), draft=str(draft), dtype="float64", device="cpu", progress=False,
-              num_blocks=4 * n, block_size=4, spec_mode="static", spec_depth=2, spec_tree=tree,
-              spec__branching=[2, 1], max_num_seqs=n, max_num_batched_tokens=16 * n, max_waiting_requests=n)
-    params = [SamplingParams(max_tokens=3, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, seed=seed0 + i,
+              num_blocks=4 * n, block_size=4, spec_mode="static", spec_depth=length - 1, spec_tree=tree,
+              spec__branching=[2, 1], max_num_seqs=n, max_num_batched_tokens=16 * n, max_waiting_requests=n, **kw)
+    params = [SamplingParams(max_tokens=length, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, seed=seed0 + i,
                              ignore_eos=True) for i in range(n)]
     outs = llm.generate([PROMPT] * n, params)
     llm.engine.pool.check_all_free()
@@ -119,6 +120,34 @@ def test_speculative_sampling_matches_target_distribution(pair, exact, tree):
     assert set(counts) <= set(exact), "a token outside the target's top-k/top-p support was emitted"
     d, b = tv(counts, N, exact), bound(len(exact), N)
     assert d < b, f"{tree}: TV {d:.4f} >= bound {b:.4f} (K={len(exact)}, N={N})"
+
+
+def test_chains_that_stop_early_still_follow_the_target(pair, monkeypatch):
+    """Early stop ([spec] early_stop) ends a chain where the draft's own probability of its
+    path falls below a threshold: the chain's length depends on the draft's samples only, so
+    each verified position is still the target's distribution, and so is the output. Four
+    tokens: x1 from the prefill, then a step that may draft x2 and x3 and stops after x2 when
+    the draft drew x2 at probability below 0.3."""
+    from specserve.drafts.model import ModelDrafter
+
+    trees = []
+    real = ModelDrafter.propose
+
+    def propose(self, seqs, shape, prefills):
+        out = real(self, seqs, shape, prefills)
+        trees.extend(out)
+        return out
+
+    monkeypatch.setattr(ModelDrafter, "propose", propose)
+    target, draft = pair
+    exact = exact_joint(target, length=4)
+    n = 3000
+    counts, _ = sample_engine(target, draft, "chain", n=n, seed0=2 * 10**6, length=4, spec__early_stop=0.3)
+    stopped = sum(t.num_nodes < t.room for t in trees)
+    assert n // 10 < stopped < sum(t.room == 2 for t in trees), "the threshold should stop some chains, not all"
+    assert set(counts) <= set(exact)
+    d, b = tv(counts, n, exact), bound(len(exact), n)
+    assert d < b, f"early stop: TV {d:.4f} >= bound {b:.4f} (K={len(exact)}, N={n})"
 
 
 def test_wrong_acceptance_rule_is_detected(pair, exact, monkeypatch):

@@ -490,3 +490,44 @@ def test_a_step_costs_from_the_end_of_the_one_before(models):
     while engine.has_unfinished_requests():
         engine.step()
     engine.pool.check_all_free()
+
+
+def _spy_trees(llm) -> list:
+    """(stop_below, tree) of every tree the drafter proposes from now on."""
+    seen = []
+    drafter = llm.engine.spec.drafter
+    real = drafter.propose
+
+    def propose(seqs, shape, prefills):
+        trees = real(seqs, shape, prefills)
+        seen.extend((shape.stop_below, t) for t in trees if t.num_nodes)
+        return trees
+
+    drafter.propose = propose
+    return seen
+
+
+def test_early_stop_ends_a_chain_at_its_first_doubtful_node(models, reference):
+    # The draft's path probabilities first (a threshold too low to stop anything), then a
+    # threshold in their midst: each chain ends at its first node below it, and greedy output
+    # is the target's.
+    llm = make_llm(models, "weak", depth=6, spec__early_stop=1e-12)
+    seen = _spy_trees(llm)
+    run_and_compare(llm, reference)
+    assert seen and all(t.num_nodes == t.room for _, t in seen)
+    probs = sorted(p for _, t in seen for p in t.path_probs)
+    stop = probs[len(probs) // 2]
+    llm = make_llm(models, "weak", depth=6, spec__early_stop=stop)
+    seen = _spy_trees(llm)
+    check_stats(llm, run_and_compare(llm, reference))
+    assert seen and all(s == stop for s, _ in seen)
+    for _, t in seen:
+        assert t.is_chain and all(p >= stop for p in t.path_probs[:-1])
+        assert t.path_probs[-1] < stop or t.num_nodes == t.room
+    assert any(t.num_nodes < t.room for _, t in seen), "no chain stopped early"
+    assert any(t.num_nodes > 1 for _, t in seen), "every chain stopped at its first node"
+    # Off: every chain runs to the depth it is allowed.
+    llm = make_llm(models, "weak", depth=6, spec__early_stop="off")
+    seen = _spy_trees(llm)
+    run_and_compare(llm, reference)
+    assert all(s == 0.0 and t.num_nodes == t.room for s, t in seen)
