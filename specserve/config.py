@@ -65,7 +65,9 @@ class SpecConfig(_Section):
     # "auto": the adaptive controller sets the threshold each step from its cost model, as
     # goodput x the time one more node costs (static mode: off); a number: that threshold
     # (static depth becomes the cap); "off": every chain is drafted to the plan's depth.
-    early_stop: Literal["auto", "off"] | Annotated[float, Meta(ge=0.0, le=1.0)] = "auto"
+    # Off by default: on the dev CPU "auto" measured no faster than off (s16b,
+    # benchmarks/RESULTS.md) and 9% slower at one request.
+    early_stop: Literal["auto", "off"] | Annotated[float, Meta(ge=0.0, le=1.0)] = "off"
 
 
 class CacheConfig(_Section):

@@ -56,6 +56,25 @@ acceptance 0.85 per position yield 0.980 of what the model said at depth 3, 0.97
 and 0.965 at depth 6 (a simulation), a bias toward deep plans; and where a batch's requests
 near their ends together (requests started at once) a deep plan costs draft levels for nothing.
 
+**Early stop (chains).** Within the plan's depth, each sequence's chain stops growing after
+its first node whose draft path probability (the product of the draft's probabilities of
+the chain's tokens) is below a threshold ``tau``. A node at path probability ``p`` is
+accepted with probability about ``p`` when the draft is calibrated (the embedded one is:
+``benchmarks/draft_calibration.py``), and raises the step's goodput ``G = tokens / time``
+when ``p > G * dt``, ``dt`` what the node adds to the step: its verify row (the verify
+cost per token near the plan's rows) and a draft level only where no other chain of the
+batch goes on (``(1 - c) ** (B - 1)`` of one, ``c`` the measured continuation)::
+
+    tau = G(plan) * (t_row + t_level * (1 - c) ** (B - 1))
+
+Positions a chain was allowed but did not draft count as not accepted, so ``a_k`` is what
+the policy gets from position ``k``; ``c_k``, the share of chains that reached depth ``k``
+and went on, gives ``reach_k = prod_{j<=k} c_j``, and a chain plan of depth ``d`` is priced
+at ``B * (1 + sum_{k<d} reach_k)`` verify rows and ``sum_{k<d} (1 - (1 - reach_k) ** B)``
+draft levels (a level runs while any chain still grows). The engine applies the threshold
+with ``[spec] early_stop = "auto"`` (off by default: it measured no faster on the dev CPU,
+benchmarks/RESULTS.md, sixteenth session).
+
 **Cost model.** ``t_verify(B, T)`` (seconds per verify pass over ``T`` tokens) and
 ``t_draft(B, d)`` (seconds of ``d`` draft levels; not ``d`` times one level: the first also
 catches the draft up and runs with the caches cold after the target's pass) are measured

@@ -25,6 +25,9 @@ one object:
     bias            with curve: the factor each depth's prediction was corrected by for the
                     decision (its measured over predicted goodput, shrunk toward 1; the
                     controller's module docstring, "Bias")
+    stop, drafted   with early stop ([spec] early_stop): the path probability below which
+                    the step's chains stopped growing, and the tree nodes verified over all
+                    sequences (below depth x decode where chains stopped early)
 
 Unlike the controller's own step statistics, steps that also prefill are logged with their
 timings: at high load they are most of the target's time. A line is written per step
