@@ -587,4 +587,6 @@ def make_controller(config: EngineConfig, tree_kind: str):
         max_nodes = max(spec.num_nodes, max_depth)
     else:
         max_nodes = max_depth
-    return AdaptiveController(mode="adaptive", max_depth=max_depth, max_num_nodes=max_nodes)
+    # The early-stop threshold is worked out per step only where it is used.
+    return AdaptiveController(mode="adaptive", max_depth=max_depth, max_num_nodes=max_nodes,
+                              stop_scale=1.0 if spec.early_stop == "auto" and tree_kind == "chain" else 0.0)
