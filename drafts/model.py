@@ -230,7 +230,8 @@ class ModelDrafter:
             tree = tree.select(order[: g.budget])
         elif shape.kind != "chain":
             tree = tree.select(list(range(tree.num_nodes)))  # BFS order
-        tree.room = g.max_depth
+        if shape.kind == "chain":   # only chains stop early; a tree's depth is its own
+            tree.room = g.max_depth
         return tree
 
     def forget(self, request: Request) -> None:

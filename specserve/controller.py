@@ -1566,7 +1566,8 @@ class AdaptiveController:
 
         d = min(stats.depth, self.max_depth)
         is_tree = stats.num_nodes > stats.depth
-        if d > 1 and not is_tree:
+        # Without early stop every chain runs to its allowed depth: nothing to learn there.
+        if d > 1 and not is_tree and (stats.drafted_depths is not None or min(self.continuation) < 1.0):
             self._observe_continuation(stats, d)
         if is_tree and stats.path_probs:
             self._observe_tree_paths(stats)
