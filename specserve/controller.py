@@ -242,6 +242,17 @@ so the correction converges to the model's error instead of feeding on itself; t
 its own figures. Depths not run lately fade back toward 1, and the explorations keep the
 neighbours of the plan measured. What it cannot tell apart: a spell that lasts while one depth
 runs is read as that depth's cost (the fifteenth session's sweep, RESULTS.md).
+An error every depth shares is not a reason to prefer one: on the dev CPU the acceptance model
+read ~8% low at every depth of 32 sequences (the seventeenth session), so the depth in use
+measured 1.05 after the dead band while its untried neighbours stayed at 1, and the plan kept
+whichever depth it had first settled on (2, 4 or 6 from one run to the next, where 3 was best).
+So the speculative depths' factors are read around a *centre*, the mean of the factors the
+depths with figures show by themselves (one vote a depth) where that is above 1: a depth
+without figures takes the centre, and a depth with figures its ratio shrunk toward the centre
+instead of toward 1. Below 1 the centre stays at 1 (optimism where there is no evidence:
+when the depths that ran measured below their predictions, the ones that did not keep the
+benefit of the doubt, and the plan goes to try them). Plain decoding (depth 0, whose tokens
+the model cannot get wrong) keeps its own figure about 1.
 
 **Hysteresis.** The current plan is kept unless the best plan's predicted goodput beats it by
 more than ``switch_margin`` (relative), or some other plan has been best for
@@ -822,9 +833,10 @@ class _Bias:
         self.sum_r2 += r * r
 
     def factor(self, step: int, decay: float, prior_sd: float, noise_sd: float,
-               deadband: float, lo: float, hi: float) -> float:
+               deadband: float, lo: float, hi: float, centre: float = 1.0) -> float:
         """The correction of the depth's predicted goodput: measured over predicted tokens per
-        second shrunk toward 1 as a normal mean with prior sd ``prior_sd`` about 1 and per-step
+        second shrunk toward ``centre`` (1, or the correction the other depths share: see
+        ``bias_factors``) as a normal mean with prior sd ``prior_sd`` about it and per-step
         noise estimated from the steps, pooled with ``noise_sd`` (what the batch size leads to
         expect) worth eight steps: weight n / (n + noise² / prior_sd²). At one sequence a 20%
         bias takes ~50 steps to show, and three lucky steps in a row move nothing; at 64, a
@@ -834,17 +846,17 @@ class _Bias:
         f = (1.0 - decay) ** (step - self.step) if step > self.step else 1.0
         n = self.weight * f
         if self.tokens_pred <= 0.0 or self.time_r <= 0.0 or n <= 0.0:
-            return 1.0
+            return centre
         mean = self.sum_r / self.weight
         var = (max(0.0, self.sum_r2 - self.weight * mean * mean) * f + 8.0 * noise_sd ** 2) / (n + 8.0)
         ratio = (self.tokens / self.tokens_pred) / (self.time_r / self.weight)
         ratio = min(hi, max(lo, ratio))
-        shift = (ratio - 1.0) * n / (n + var / prior_sd ** 2)
+        shift = (ratio - centre) * n / (n + var / prior_sd ** 2)
         # What is left inside the dead band is noise as often as not, and on a flat top a
         # few percent either way moves the plan: only the excess over the band, or over the
         # posterior's sd where that is wider (thin evidence), corrects.
         band = max(deadband, math.sqrt(1.0 / (1.0 / prior_sd ** 2 + n / var)))
-        return 1.0 + math.copysign(max(0.0, abs(shift) - band), shift)
+        return centre + math.copysign(max(0.0, abs(shift) - band), shift)
 
 
 @dataclass
@@ -1385,12 +1397,20 @@ class AdaptiveController:
         # A step's tokens are a sum over its sequences: their spread falls as 1/sqrt(B), down to
         # what the step's time alone varies by.
         noise_sd = max(0.1, self.bias_noise_sd / math.sqrt(b))
-        out = []
-        for d in range(self.max_depth + 1):
-            bias = self._bias.get((b, d))
-            out.append(1.0 if bias is None else
-                       bias.factor(self.num_steps, self.bias_decay, self.bias_prior_sd,
-                                   noise_sd, self.bias_deadband, lo, hi))
+        args = (self.num_steps, self.bias_decay, self.bias_prior_sd, noise_sd, self.bias_deadband, lo, hi)
+        biases = [self._bias.get((b, d)) for d in range(self.max_depth + 1)]
+        # What the speculative depths measured share (each depth's own factor, one vote a
+        # depth) stands for the depths without figures, and each depth's own figure is read
+        # as a deviation from it: an error common to every depth (the acceptance model a few
+        # percent low everywhere) otherwise raises only the depths that ran, and the plan in
+        # use keeps an edge over neighbours that would beat it (see "Bias").
+        # Only upward: where the depths that ran measured below their predictions, the
+        # others keep the benefit of the doubt (1), so the plan still goes to try them.
+        own = [bias.factor(*args) for bias in biases[1:] if bias is not None]
+        centre = max(1.0, sum(own) / len(own)) if own else 1.0
+        out = [1.0 if biases[0] is None else biases[0].factor(*args)]
+        for bias in biases[1:]:
+            out.append(centre if bias is None else bias.factor(*args, centre=centre))
         return out
 
     @staticmethod
