@@ -11,7 +11,7 @@ start-up calibration included) serves every setting: a round runs the whole load
 setting, the order rotated each round, and the figures are paired per round. Offline, with
 no server: a server's event loop sends an SSE event per request per step, which makes every
 step dearer and deep plans relatively cheaper, so the best depth here is not the sweep's (at
-32 requests on the dev CPU: static depth 3 here, 5 over HTTP). It tells whether a change to
+32 requests on the dev CPU in one session: static depth 3-4 here, 5 over HTTP). It tells whether a change to
 the controller helps the engine, quickly; the sweep is the verdict.
 
 A static setting runs with the controller detached (the engine plans the configured depth,
