@@ -1406,11 +1406,15 @@ class AdaptiveController:
         # use keeps an edge over neighbours that would beat it (see "Bias").
         # Only upward: where the depths that ran measured below their predictions, the
         # others keep the benefit of the doubt (1), so the plan still goes to try them.
-        own = [bias.factor(*args) for bias in biases[1:] if bias is not None]
-        centre = max(1.0, sum(own) / len(own)) if own else 1.0
-        out = [1.0 if biases[0] is None else biases[0].factor(*args)]
-        for bias in biases[1:]:
-            out.append(centre if bias is None else bias.factor(*args, centre=centre))
+        own = [None if bias is None else bias.factor(*args) for bias in biases]
+        measured = [f for f in own[1:] if f is not None]
+        centre = max(1.0, sum(measured) / len(measured)) if measured else 1.0
+        out = [1.0 if own[0] is None else own[0]]
+        for bias, f in zip(biases[1:], own[1:]):
+            if bias is None:
+                out.append(centre)
+            else:   # read around 1, as it was computed, unless the centre is above it
+                out.append(f if centre == 1.0 else bias.factor(*args, centre=centre))
         return out
 
     @staticmethod
