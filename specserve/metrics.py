@@ -109,7 +109,8 @@ def _controller_metrics(snap: dict):
         yield c
     g = GaugeMetricFamily("specserve_controller_bias_factor",
                           "What the controller's decision multiplies a depth's predicted goodput by: that "
-                          "depth's measured over predicted goodput on its recent steps, shrunk toward 1. "
+                          "depth's measured over predicted goodput on its recent steps, shrunk toward 1, or toward "
+                          "what the speculative depths share where that is above 1 (a depth without figures: that). "
                           "Per batch-size bucket.", labels=["batch_size", "depth"])
     for bucket, factors in snap.get("bias_factors", {}).items():
         for depth, f in enumerate(factors):

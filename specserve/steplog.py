@@ -23,8 +23,8 @@ one object:
     curve           on steps whose plan came from a fresh evaluation: the predicted tokens/s
                     of each chain depth 0..max_depth (best node budget per depth)
     bias            with curve: the factor each depth's prediction was corrected by for the
-                    decision (its measured over predicted goodput, shrunk toward 1; the
-                    controller's module docstring, "Bias")
+                    decision (its measured over predicted goodput, shrunk toward 1 or toward
+                    what the depths share; the controller's module docstring, "Bias")
     stop, drafted   with early stop ([spec] early_stop): the path probability below which
                     the step's chains stopped growing, and the tree nodes verified over all
                     sequences (below depth x decode where chains stopped early)
