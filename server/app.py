@@ -462,6 +462,32 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
+async def handle_get_speculation(request: web.Request) -> web.Response:
+    return web.Response(body=_json.encode(request.app[STATE].engine.speculation()), content_type="application/json")
+
+
+async def handle_set_speculation(request: web.Request) -> web.Response:
+    """POST /admin/speculation {"mode": "adaptive"} or {"mode": "static", "depth": d}: the
+    setting applies from the engine's next step, requests in flight included (exact either
+    way). 200 with the new setting, 400 naming what cannot be."""
+    state = request.app[STATE]
+    _check_serving(state)
+    body = await _read_json(request)
+    unknown = sorted(set(body) - {"mode", "depth"})
+    if unknown:
+        raise ApiError(400, f"unknown field(s) {', '.join(map(repr, unknown))}: /admin/speculation takes 'mode' "
+                            "and, for mode 'static', 'depth'", param=unknown[0])
+    if "mode" not in body:
+        raise ApiError(400, "missing 'mode': 'adaptive' or 'static'", param="mode")
+    try:
+        setting = await state.async_engine.set_speculation(body["mode"], body.get("depth"))
+    except InvalidRequestError as e:
+        raise ApiError(400, str(e), param=e.param) from None
+    except EngineDeadError as e:
+        raise ApiError(503, str(e), type="service_unavailable") from None
+    return web.Response(body=_json.encode(setting), content_type="application/json")
+
+
 @web.middleware
 async def _errors(request: web.Request, handler):
     """Errors as JSON, never a stack trace: aiohttp's own 404/405 included."""
@@ -511,6 +537,9 @@ def create_app(engine: LLMEngine, cfg: EngineConfig) -> web.Application:
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
+    if cfg.server.admin_api:
+        app.router.add_get("/admin/speculation", handle_get_speculation)
+        app.router.add_post("/admin/speculation", handle_set_speculation)
     return app
 
 

@@ -70,7 +70,7 @@ def cmd_serve(args) -> int:
     from specserve.server.app import serve
 
     cfg = _engine_config(args)
-    overrides = {"host": args.host, "port": args.port}
+    overrides = {"host": args.host, "port": args.port, "admin_api": True if args.admin_api else None}
     from specserve import config as config_mod
 
     cfg = config_mod.with_overrides(cfg, **overrides)
@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(p)
     p.add_argument("--host")
     p.add_argument("--port", type=int)
+    p.add_argument("--admin-api", action="store_true",
+                   help="serve GET/POST /admin/speculation, to switch between adaptive and a static depth "
+                        "while running (sets [server] admin_api)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("generate", help="generate offline and print the text")

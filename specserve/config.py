@@ -96,6 +96,10 @@ class ServerConfig(_Section):
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
     served_model_name: str | None = None  # default: the target directory's name
     shutdown_timeout_s: Annotated[float, Meta(ge=0.0)] = 30.0
+    # GET/POST /admin/speculation: read or switch the speculation setting (adaptive, or a
+    # static depth) of the running server, e.g. to compare settings inside one process. Off
+    # by default: it changes how every client is served, so an operator turns it on.
+    admin_api: bool = False
 
 
 class EngineConfig(_Section):

@@ -229,6 +229,18 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def speculation(self) -> dict:
+        """The speculation setting in use: {"mode": "adaptive"}, {"mode": "static", "depth": d},
+        or {"mode": "off"} (no draft)."""
+        return self.spec.setting()
+
+    def set_speculation(self, mode: str, depth: int | None = None) -> dict:
+        """Switch to the adaptive controller or a static depth between two steps (exact either
+        way); InvalidRequestError names what cannot be. Returns the new setting."""
+        setting = self.spec.set_setting(mode, depth)
+        logger.info("speculation set to %s", setting)
+        return setting
+
     # -- one step ------------------------------------------------------------------------
 
     def idle(self) -> None:
@@ -503,6 +515,24 @@ class AsyncEngine:
         self._commands.put(("abort", request_id, None, None))
         self._wake.set()
 
+    async def set_speculation(self, mode: str, depth: int | None = None) -> dict:
+        """LLMEngine.set_speculation on the engine thread, between two steps."""
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running: {self.error!r}")
+        done = self._loop.create_future()
+        self._commands.put(("speculation", (mode, depth), done, None))
+        self._wake.set()
+        while True:   # polling, as generate() does: an engine that dies first must not hang the caller
+            try:
+                result = await asyncio.wait_for(asyncio.shield(done), 0.5)
+                break
+            except asyncio.TimeoutError:
+                if not self.is_alive:
+                    raise EngineDeadError(f"the engine is not running: {self.error!r}") from None
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
     def _drain_commands(self) -> None:
         while True:
             try:
@@ -518,6 +548,12 @@ class AsyncEngine:
                 self._loop.call_soon_threadsafe(_resolve, done, error)
             elif kind == "abort":
                 self.engine.abort_request(arg)
+            elif kind == "speculation":
+                try:
+                    result = self.engine.set_speculation(*arg)
+                except Exception as e:   # a bad setting is the caller's error, never the engine's
+                    result = e
+                self._loop.call_soon_threadsafe(_resolve, done, result)
 
     def _run(self) -> None:
         try:

@@ -60,7 +60,13 @@ class _EngineCollector:
         g = GaugeMetricFamily("specserve_spec_depth", "Speculation depth in use (0 = plain decode).")
         g.add_metric([], totals.last_depth)
         yield g
-        controller = getattr(engine.spec, "controller", None)
+        g = GaugeMetricFamily("specserve_spec_adaptive", "1 while the adaptive controller plans the steps, 0 while "
+                              "a static depth does (set at start-up or by POST /admin/speculation).")
+        g.add_metric([], int(getattr(engine.spec, "controller", None) is not None))
+        yield g
+        # The controller built at start-up, also while a static setting has it detached: its
+        # figures stay what it last knew, and the series do not vanish with a switch.
+        controller = getattr(engine.spec, "adaptive", None)
         if controller is not None:
             yield from _controller_metrics(controller.snapshot())
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import EngineConfig
+from specserve.errors import InvalidRequestError
 from specserve.drafts.base import TreeShape
 from specserve.kernels import ops
 from specserve.request import Request
@@ -68,9 +69,18 @@ class NoSpeculation:
     drafter = None
     controller = None
 
+    adaptive = None
+
     def __init__(self):
         self.totals = SpecTotals()
         self.last_timing = (0.0, 0.0)
+
+    def setting(self) -> dict:
+        return {"mode": "off"}
+
+    def set_setting(self, mode: str, depth: int | None = None) -> dict:
+        raise InvalidRequestError("this server has no draft ([draft] kind = 'none'): there is no speculation "
+                                  "to switch", param="mode")
 
     def plan(self, scheduler: Scheduler) -> Plan:
         return Plan()
@@ -100,7 +110,8 @@ class Speculator:
         self.config = config
         self.engine = engine
         self.drafter = drafter
-        self.controller = controller
+        self.controller = controller   # None while the setting is static (set_setting)
+        self.adaptive = controller     # the controller built at start-up, kept while detached
         self.totals = SpecTotals()
         spec = config.spec
         self.tree_kind = spec.tree if drafter.has_kv else "chain"
@@ -108,6 +119,43 @@ class Speculator:
         self._step_measured_s = 0.0  # its draft + verify time
         self.last_timing = (0.0, 0.0)  # the last step's draft and verify seconds, prefill or not (the step log)
         self.last_drafted = 0  # tree nodes the last step verified, all sequences together (the step log)
+
+    # -- the setting ---------------------------------------------------------------------
+
+    def setting(self) -> dict:
+        """What plans the steps now: {"mode": "adaptive"} or {"mode": "static", "depth": d}."""
+        if self.controller is not None:
+            return {"mode": "adaptive"}
+        return {"mode": "static", "depth": self.config.spec.depth}
+
+    def set_setting(self, mode: str, depth: int | None = None) -> dict:
+        """Switch between the adaptive controller and a static depth while serving (the
+        engine calls this between steps). Any depth is exact (verification keeps only what
+        the target agrees with), so requests in flight carry on under the new setting. A
+        static setting detaches the controller: it neither plans nor learns until switched
+        back, then goes on from its state (a long-running server's), like a sweep that
+        compares settings inside one process (benchmarks/sweep.py --one-process). Adaptive
+        needs the controller built at start-up (mode = "adaptive" in the config: its start-up
+        calibration is what it plans from)."""
+        if mode == "adaptive":
+            if depth is not None:
+                raise InvalidRequestError("'depth' is only for mode 'static' (the adaptive controller picks "
+                                          "its own)", param="depth")
+            if self.adaptive is None:
+                raise InvalidRequestError("this server was started with [spec] mode = 'static': it has no "
+                                          "adaptive controller (no start-up calibration) to switch to; start "
+                                          "it with mode = 'adaptive' to switch between both", param="mode")
+            self.controller = self.adaptive
+        elif mode == "static":
+            limit = max(self.config.spec.max_depth, 1)
+            if not isinstance(depth, int) or isinstance(depth, bool) or not 0 <= depth <= limit:
+                raise InvalidRequestError(f"mode 'static' needs an integer 'depth' in 0..{limit} ([spec] "
+                                          f"max_depth), got {depth!r}", param="depth")
+            self.controller = None
+            self.config.spec.depth = depth
+        else:
+            raise InvalidRequestError(f"unknown speculation mode {mode!r}: 'adaptive' or 'static'", param="mode")
+        return self.setting()
 
     # -- the plan ------------------------------------------------------------------------
 
@@ -372,8 +420,8 @@ class Speculator:
 
     def forget(self, request: Request) -> None:
         self.drafter.forget(request)
-        if self.controller is not None:
-            self.controller.forget(request.request_id)
+        if self.adaptive is not None:   # detached or not: its per-request history goes either way
+            self.adaptive.forget(request.request_id)
 
     # -- one step ------------------------------------------------------------------------
 
