@@ -14,6 +14,13 @@ started. Extra arguments after ``--`` go to every loadgen run.
 versions inside one sweep (interleaved, same rounds, same prompts) rather than across sweeps,
 which on a shared machine differ by more than the change: ``sweep_report`` then sets each
 variant beside adaptive.
+
+``--one-process`` (with ``--interleave``) serves ``adaptive`` and every ``staticN`` from one
+server process per round, started in adaptive mode with ``--admin-api``: before each of their
+cells the sweep switches it with ``POST /admin/speculation`` (a static setting detaches the
+controller, which neither plans nor learns until switched back). A process keeps a pace of its
+own, and with a process per setting that pace is in every comparison between settings; in one
+process it cancels. ``none`` (no draft at all) and the variants keep servers of their own.
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ import subprocess
 import sys
 import tarfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 from benchmarks import loadgen, plots
 
 CONCURRENCIES = (1, 2, 4, 8, 16, 32, 64)
+SHARED = "shared"   # --one-process: the server adaptive and the static settings share
 SETTINGS = {
     "none": "--draft-kind none",
     **{f"static{d}": f"--spec-mode static --spec-depth {d}" for d in range(1, 7)},
@@ -66,6 +75,19 @@ def export_revision(rev: str, dest: Path) -> Path:
         tar.extractall(dest, filter="data")
     (dest / "REVISION").write_text(found.stdout)
     return dest
+
+
+def switch_setting(base_url: str, setting: str) -> dict:
+    """POST /admin/speculation on a server started with --admin-api: 'adaptive' or 'staticN'."""
+    body = {"mode": "adaptive"} if setting == "adaptive" else {"mode": "static", "depth": int(setting[6:])}
+    req = urllib.request.Request(base_url + "/admin/speculation", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"switching {base_url} to {setting}: HTTP {e.code} {e.read().decode(errors='replace')}") \
+            from None
 
 
 def wait_healthy(base_url: str, proc: subprocess.Popen | None, timeout: float) -> None:
@@ -178,6 +200,11 @@ def main(argv=None):
                         "883-935 tok/s at 4 requests over four rounds, the slowest the slowest every round; "
                         "kept across rounds, that offset is in every round of a setting, and the best of "
                         "six static settings is partly the luckiest process")
+    p.add_argument("--one-process", action="store_true",
+                   help="with --interleave: serve adaptive and the static depths from one server process per "
+                        "round, switched before each cell by POST /admin/speculation, so that the pace of a "
+                        "process (which differs between identical processes by more than neighbouring depths "
+                        "differ) is the same for all of them; none and variants keep their own servers")
     p.add_argument("--server-cpus", metavar="CPUS",
                    help="run the servers on these CPUs only (taskset syntax, e.g. 1 or 2-15; Linux)")
     p.add_argument("--client-cpus", metavar="CPUS",
@@ -196,17 +223,30 @@ def main(argv=None):
     running = dict(s.split("=", 1) for s in args.base_url)
     variants = dict(args.variant)
     for name in variants:
-        if name in SETTINGS or not name.replace("_", "").replace("-", "").isalnum() or name.startswith("static"):
-            p.error(f"--variant name {name!r} must be a word of its own (not a setting, not static...)")
+        if (name in SETTINGS or name == SHARED or not name.replace("_", "").replace("-", "").isalnum()
+                or name.startswith("static")):
+            p.error(f"--variant name {name!r} must be a word of its own (not a setting, not static..., not "
+                    f"{SHARED!r})")
     settings = list(running) if running else list(dict.fromkeys(
         args.settings + [v for v in variants if "--settings" not in argv]))
     unknown = [s for s in settings if s not in SETTINGS and s not in variants and s not in running]
     if unknown:
         p.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join([*SETTINGS, *variants])}")
     trees = {name: export_revision(rev, out / "trees" / name) for name, rev in variants.items() if name in settings}
+    if args.one_process and not args.interleave:
+        p.error("--one-process needs --interleave (one server serves several settings in turn)")
+    if args.one_process and running:
+        p.error("--one-process starts its servers itself; it does not take --base-url")
+    # The settings one shared server switches between (--one-process), and the server each
+    # setting is served by: its own name, or SHARED.
+    shared = [s for s in settings if s == "adaptive" or s.startswith("static")] if args.one_process else []
+    server_of = {s: (SHARED if s in shared else s) for s in settings}
 
     def overrides(setting: str, suffix: str = "") -> str:
-        flags = SETTINGS.get(setting, SETTINGS["adaptive"])   # a variant: its own adaptive controller
+        if setting == SHARED:
+            flags = SETTINGS["adaptive"] + " --admin-api"
+        else:
+            flags = SETTINGS.get(setting, SETTINGS["adaptive"])   # a variant: its own adaptive controller
         if args.step_logs:
             flags += " --step-log " + shlex.quote(str((out / f"steps_{setting}{suffix}.jsonl").resolve()))
         return flags
@@ -223,6 +263,8 @@ def main(argv=None):
         if "--num-prompts" not in extra:
             lg += ["--num-prompts", str(max(args.min_prompts, args.prompts_per_concurrency * conc))]
         print(f"== {setting} concurrency {conc}", file=sys.stderr)
+        if setting in shared:
+            switch_setting(base, setting)
         return loadgen.main(lg + extra)
 
     def warm_up(setting: str, base: str) -> None:
@@ -252,18 +294,23 @@ def main(argv=None):
             # shallow, is what the online measurements scale; the fifth session's sweeps had
             # adaptive at depth ~3 where alone it runs 4-6).
             suffix = f"_round{round_index}" if args.restart_per_round else ""
-            for i, setting in enumerate(settings):
-                bases[setting] = running.get(setting)
-                if bases[setting] is None:
+            servers = list(dict.fromkeys(server_of[s] for s in settings))
+            for i, server in enumerate(servers):
+                bases[server] = running.get(server)
+                if bases[server] is None:
                     port = args.port + i
-                    bases[setting] = f"http://127.0.0.1:{port}"
-                    procs.append(start_server(args.server_cmd, args.config, port, overrides(setting, suffix),
-                                              out / f"server_{setting}{suffix}.log", args.server_cpus,
-                                              trees.get(setting)))
-                    wait_healthy(bases[setting], procs[-1], args.startup_timeout)
+                    bases[server] = f"http://127.0.0.1:{port}"
+                    procs.append(start_server(args.server_cmd, args.config, port, overrides(server, suffix),
+                                              out / f"server_{server}{suffix}.log", args.server_cpus,
+                                              trees.get(server)))
+                    wait_healthy(bases[server], procs[-1], args.startup_timeout)
+            for server in servers:
+                wait_healthy(bases[server], None, args.startup_timeout)
+                if server == SHARED:
+                    switch_setting(bases[server], "adaptive")   # warmed up as a server in adaptive mode is
+                warm_up(server, bases[server])
             for setting in settings:
-                wait_healthy(bases[setting], None, args.startup_timeout)
-                warm_up(setting, bases[setting])
+                bases[setting] = bases[server_of[setting]]
 
         try:
             for r in range(args.rounds):

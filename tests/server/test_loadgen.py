@@ -450,6 +450,70 @@ def test_sweep_restarts_its_servers_every_round_when_asked(tmp_path):
     assert not any("--step-log" in line for line in kept)
 
 
+def test_sweep_one_process_switches_one_server_between_settings(tmp_path):
+    """--one-process: adaptive and the static depths are one server per round, switched by
+    POST /admin/speculation before each of their cells; none keeps a server of its own."""
+    import socket
+    import sys
+    from pathlib import Path
+
+    from benchmarks import sweep
+
+    root = Path(__file__).resolve().parents[2]
+    log = tmp_path / "log"
+    script = tmp_path / "fake_server.py"
+    script.write_text(
+        "import json, os, sys\n"
+        f"sys.path.insert(0, {str(root)!r})\n"
+        "from aiohttp import web\n"
+        "from tests.server.test_loadgen import metrics_route, scripted_completions\n"
+        "state = {'setting': 'start'}\n"
+        f"def note(line):\n    open({str(log)!r}, 'a').write(f'{{os.getpid()}} {{line}}\\n')\n"
+        "note('start ' + ' '.join(sys.argv[2:]))\n"
+        "async def health(request):\n"
+        "    return web.Response(text='ok')\n"
+        "async def switch(request):\n"
+        "    body = await request.json()\n"
+        "    state['setting'] = body['mode'] + str(body.get('depth', ''))\n"
+        "    return web.json_response(body)\n"
+        "async def complete(request):\n"
+        "    note('serve ' + state['setting'])\n"
+        "    return await scripted_completions(request)\n"
+        "app = web.Application()\n"
+        "app.router.add_post('/v1/completions', complete)\n"
+        "app.router.add_get('/metrics', metrics_route)\n"
+        "app.router.add_get('/health', health)\n"
+        "if '--admin-api' in sys.argv:\n"
+        "    app.router.add_post('/admin/speculation', switch)\n"
+        "web.run_app(app, host='127.0.0.1', port=int(sys.argv[1]), print=None)\n")
+    with socket.socket() as a:
+        a.bind(("127.0.0.1", 0))
+        port = a.getsockname()[1]
+    sweep.main(["--model", "m", "--server-cmd", f"{sys.executable} {script} {{port}} {{overrides}}",
+                "--settings", "none", "static1", "adaptive", "static3", "--port", str(port), "--concurrency", "1", "2",
+                "--interleave", "--rounds", "2", "--restart-per-round", "--one-process", "--warmup-requests", "1",
+                "--out-dir", str(tmp_path / "out"), "--", "--num-prompts", "2", "--no-progress"])
+    lines = [line.split(maxsplit=1) for line in log.read_text().splitlines()]
+    starts = [(pid, rest) for pid, rest in lines if rest.startswith("start")]
+    assert len(starts) == 4   # two servers a round: none, and the shared one
+    shared = {pid for pid, rest in starts if "--admin-api" in rest}
+    assert len(shared) == 2 and all("--spec-mode adaptive" in rest for pid, rest in starts if pid in shared)
+    assert all("--draft-kind none" in rest for pid, rest in starts if pid not in shared)
+    served = [(pid, rest.split()[1]) for pid, rest in lines if rest.startswith("serve")]
+    # Each server's warm-up (2 requests at the largest concurrency, 2) and cells of 2 requests,
+    # the shared server switched to each setting for its cells: warmed up in adaptive mode.
+    on_shared = [what for pid, what in served if pid in shared]
+    assert on_shared.count("adaptive") == 2 * 2 + 2 * 2 * 2
+    assert on_shared.count("static1") == on_shared.count("static3") == 2 * 2 * 2
+    assert all(what == "start" for pid, what in served if pid not in shared)
+    for r in (0, 1):
+        for setting in ("none", "static1", "adaptive", "static3"):
+            cell = json.loads((tmp_path / "out" / f"round{r}" / f"{setting}_c2.json").read_text())
+            assert cell["metrics"]["num_completed"] == 2 and cell["config"]["label"] == setting
+    with pytest.raises(SystemExit):
+        sweep.main(["--model", "m", "--one-process", "--settings", "adaptive", "--out-dir", str(tmp_path / "x")])
+
+
 def test_sweep_warms_servers_up_at_its_largest_concurrency():
     """A fresh process's first pass at a size touches that memory first: the warm-up runs at the
     largest concurrency of the sweep, with at least one request per unit of it."""
