@@ -1028,9 +1028,11 @@ def test_a_depth_that_measures_below_its_prediction_loses_its_place():
     # settles at depth 5 (true goodput 1545 tokens/s against depth 3's 1707). Each depth's
     # measured over predicted goodput corrects its prediction (shallow plans measure above
     # theirs, deep ones below) and the plan moves toward the true top.
-    off = _run_with_hidden_cost(False, 16, 0.0003, 1500, 0)
-    on = _run_with_hidden_cost(True, 16, 0.0003, 1500, 0)
-    assert on > 1.03 * off
+    # Over four seeds: from one seed to another the plan spends a quarter of the run at depth
+    # 4 or at 5 (one seed 1.4% above the uncorrected run, the others 4.0-4.7%).
+    off = [_run_with_hidden_cost(False, 16, 0.0003, 1500, seed) for seed in range(4)]
+    on = [_run_with_hidden_cost(True, 16, 0.0003, 1500, seed) for seed in range(4)]
+    assert sum(on) > 1.03 * sum(off), [round(a / b, 3) for a, b in zip(on, off)]
 
 
 def test_the_bias_correction_costs_nothing_where_the_model_is_right():
@@ -1153,3 +1155,50 @@ def test_chains_that_stop_early_are_priced_at_the_rows_they_reach():
     full = calibrated(roofline_verify, cheap_draft)
     simulate(full, 100, 16, 0.8, roofline_verify, cheap_draft, random.Random(3))
     assert full.reach() == [1.0] * full.max_depth
+
+
+def _step(ids, accepted, depth=4):
+    return StepStats(batch_size=len(ids), depth=depth, num_nodes=depth, draft_s=0.004, verify_s=0.02,
+                     num_accepted=accepted, request_ids=ids)
+
+
+def test_acceptance_does_not_depend_on_the_order_of_the_batch():
+    # One EMA step per sequence in batch order weighed the last sequences of a batch most: a
+    # batch whose young requests (admitted last) accept less read low. A step's observations
+    # of a position count alike whatever their order.
+    accepted = [4] * 16 + [0] * 16
+    forward, backward = (calibrated(flat_verify, cheap_draft) for _ in range(2))
+    ids = [f"r{i}" for i in range(32)]
+    for _ in range(3):
+        forward.observe(_step(ids, accepted))
+        backward.observe(_step(ids[::-1], accepted[::-1]))
+    assert forward.global_acceptance() == pytest.approx(backward.global_acceptance())
+
+
+def test_one_step_of_a_large_batch_moves_the_global_estimate_a_bounded_step():
+    ctrl = calibrated(flat_verify, cheap_draft, acceptance_alpha=0.05, acceptance_step_weight=0.1)
+    ids = [f"r{i}" for i in range(64)]
+    for _ in range(200):   # well past the first observations, position 1 settles at 0.75
+        ctrl.observe(_step(ids, [0 if i % 4 == 0 else 4 for i in range(64)]))
+    assert ctrl.acceptance[0] == pytest.approx(0.75, abs=1e-6)
+    ctrl.observe(_step(ids, [0] * 64))   # one step of 64 rejections at position 1
+    # 64 EMA steps of 0.05 would take it to 0.75 x 0.95^64 = 0.03; a step moves it by 0.1 at most.
+    assert ctrl.acceptance[0] == pytest.approx(0.75 * 0.9)
+    for _ in range(30):   # a lasting drop is followed within a few tens of steps
+        ctrl.observe(_step(ids, [0] * 64))
+    assert ctrl.acceptance[0] < 0.05
+    # A batch of four: four EMA steps of 0.05 (0.185) stay under the cap.
+    few = calibrated(flat_verify, cheap_draft, acceptance_alpha=0.05, acceptance_step_weight=0.1)
+    for _ in range(200):
+        few.observe(_step(ids[:4], [4, 4, 4, 4]))
+    few.observe(_step(ids[:4], [0, 0, 0, 0]))
+    assert few.acceptance[0] == pytest.approx(1.0 - min(1 - 0.95 ** 4, 0.1))
+
+
+def test_the_first_observations_of_a_position_average_with_the_prior():
+    ctrl = calibrated(flat_verify, cheap_draft, prior_acceptance=0.6)
+    ids = [f"r{i}" for i in range(12)]
+    ctrl.observe(_step(ids, [1] * 12, depth=1))   # 12 acceptances at position 1, its first data
+    # A running mean over the prior and the data (the per-step cap does not apply yet): the
+    # first observation weighs 1 / _PRIOR_OBSERVATIONS, the prior as three observations.
+    assert ctrl.acceptance[0] == pytest.approx((3 * 0.6 + 12 * 1.0) / 15)
