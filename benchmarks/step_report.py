@@ -3,7 +3,8 @@
     python -m benchmarks.step_report benchmarks/out/s13a [more sweep dirs] [--concurrency 64]
 
 A sweep dir holds round dirs (round0, round1, ...) or the result files themselves, and the
-step logs steps_SETTING[_roundI].jsonl the sweep's servers wrote (specserve/steplog.py). A
+step logs steps_SETTING[_roundI].jsonl the sweep's servers wrote (specserve/steplog.py; with
+sweep --one-process, steps_shared[_roundI].jsonl for the settings one server served). A
 cell's steps are those that ended between its result file's started_at and finished_at. Per
 setting and concurrency, pooled over cells:
 
@@ -53,8 +54,10 @@ def cells_of(sweep_dir: Path) -> list[tuple[str, int, dict, list[dict]]]:
             if not fm:
                 continue
             setting, conc = fm.group(1), int(fm.group(2))
-            candidates = ([sweep_dir / f"steps_{setting}_round{m.group(1)}.jsonl"] if m else []) + [
-                sweep_dir / f"steps_{setting}.jsonl"]
+            # A setting's own server's log, else (sweep --one-process) the shared server's:
+            # the time window below picks the cell's steps out of it either way.
+            candidates = [sweep_dir / f"steps_{name}{suffix}.jsonl" for name in (setting, "shared")
+                          for suffix in ([f"_round{m.group(1)}"] if m else []) + [""]]
             log = next((c for c in candidates if c.is_file()), None)
             res = json.loads(f.read_text())
             if log is None or "started_at" not in res:

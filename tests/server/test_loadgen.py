@@ -601,6 +601,27 @@ def test_step_report_takes_each_cell_apart_from_the_step_logs(tmp_path):
     assert step_report.main([str(tmp_path / "round0" / "nothing")]) == 1
 
 
+def test_step_report_reads_the_shared_servers_log_of_a_one_process_sweep(tmp_path):
+    """sweep --one-process: adaptive and the static settings share one server and one step
+    log, steps_shared_roundI.jsonl; each cell's steps are those inside its own window."""
+    from benchmarks import step_report
+
+    rd = tmp_path / "round0"
+    rd.mkdir()
+    lines = []
+    for i, (setting, depth) in enumerate((("static3", 3), ("adaptive", 5))):
+        t0 = 100.0 * (i + 1)
+        (rd / f"{setting}_c2.json").write_text(json.dumps(
+            {"started_at": t0, "finished_at": t0 + 10, "metrics": {"output_throughput": 50.0}}))
+        lines += [{"t": t0 + k, "depth": depth, "nodes": depth, "decode": 2, "prefill_seqs": 0, "prefill_tokens": 0,
+                   "emitted": 2 * (depth + 1), "draft_s": 0.01, "verify_s": 0.02, "step_s": 0.04} for k in (1, 2)]
+    (tmp_path / "steps_shared_round0.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    rows = step_report.summarise(step_report.cells_of(tmp_path))
+    assert set(rows) == {("static3", 2), ("adaptive", 2)}
+    assert rows[("static3", 2)]["depth_share"] == {3: 1.0} and rows[("adaptive", 2)]["depth_share"] == {5: 1.0}
+    assert rows[("static3", 2)]["steps"] == rows[("adaptive", 2)]["steps"] == 2
+
+
 def test_step_report_curves_put_measured_depths_beside_the_prediction(tmp_path):
     """step_report --curves: per concurrency, the fixed settings' tokens/s over full-batch
     decode-only steps by depth, the adaptive controller's predicted curve relative to its
