@@ -487,14 +487,7 @@ class AsyncEngine:
         finished = False
         try:
             # Inside the try: a caller cancelled while the add is pending still aborts it.
-            # Polling: an engine that stops before draining the add must not hang the caller.
-            while True:
-                try:
-                    error = await asyncio.wait_for(asyncio.shield(added), 0.5)
-                    break
-                except asyncio.TimeoutError:
-                    if not self.is_alive:
-                        raise EngineDeadError(f"the engine is not running: {self.error!r}") from None
+            error = await self._answer(added)
             if error is not None:
                 finished = True  # never added: nothing to abort (and the id may be another request's)
                 raise error
@@ -522,16 +515,20 @@ class AsyncEngine:
         done = self._loop.create_future()
         self._commands.put(("speculation", (mode, depth), done, None))
         self._wake.set()
-        while True:   # polling, as generate() does: an engine that dies first must not hang the caller
-            try:
-                result = await asyncio.wait_for(asyncio.shield(done), 0.5)
-                break
-            except asyncio.TimeoutError:
-                if not self.is_alive:
-                    raise EngineDeadError(f"the engine is not running: {self.error!r}") from None
+        result = await self._answer(done)
         if isinstance(result, BaseException):
             raise result
         return result
+
+    async def _answer(self, future: asyncio.Future):
+        """The engine thread's answer to a command. Polling: an engine that stops before
+        draining the command must not hang the caller."""
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(future), 0.5)
+            except asyncio.TimeoutError:
+                if not self.is_alive:
+                    raise EngineDeadError(f"the engine is not running: {self.error!r}") from None
 
     def _drain_commands(self) -> None:
         while True:
