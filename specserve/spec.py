@@ -68,7 +68,6 @@ class NoSpeculation:
 
     drafter = None
     controller = None
-
     adaptive = None
 
     def __init__(self):
