@@ -171,7 +171,8 @@ decays slowly toward the estimate of the position above it (position 1: toward
 without data for the position just below the current depth, one step is run one level deeper
 (from ``d = 0``: depth ``probe_depth``), so the estimates cannot go stale; at most one probe
 per interval, so the cost is bounded by ``1 / probe_interval`` of a step. Position 1 never
-observed counts as due, so a fresh controller probes on its first plain step, and the prior
+observed counts as due, so a fresh controller probes on its first plain step, at
+``max_depth`` so that every position has data (the prior stays where no sequence reached), and the prior
 weighs as ``_PRIOR_OBSERVATIONS`` observations in a position's first EMA steps: one probe of a
 batch replaces the guess rather than nudging it.
 
@@ -1329,7 +1330,14 @@ class AdaptiveController:
             chosen = Plan(0, 0)   # one plain step: the guard's reference stays current
         elif (probe_pos < self.max_depth and self.probe_interval > 0
                 and self._steps_since_seen[probe_pos] >= self.probe_interval):
-            depth = self.probe_depth if cur.depth == 0 else cur.depth + 1
+            if self._num_seen[0] == 0:
+                # The first probe of a fresh controller runs every position: one probe of two
+                # left positions 3 and deeper on the prior (0.6), and a fresh engine hit by 32
+                # requests at once planned plain decoding for its whole first load (192 steps,
+                # no probe due) where depths 3-4 measured 1.1x it (the eighteenth session).
+                depth = self.max_depth
+            else:
+                depth = self.probe_depth if cur.depth == 0 else cur.depth + 1
             chosen = Plan(depth, max(depth, cur.num_nodes))
             self.num_probes += 1
             for k in range(depth):

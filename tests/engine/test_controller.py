@@ -927,6 +927,22 @@ def test_a_fresh_controller_measures_acceptance_before_trusting_its_prior():
     assert all(p.depth >= 1 for p in plans[10:])
 
 
+def test_the_first_probe_measures_every_position():
+    # A probe of depth 2 leaves positions 3 and deeper on the prior, which at 32 sequences
+    # can keep a fresh controller at plain decoding for its whole first load. The first
+    # probe runs the whole chain; later probes are probe_depth deep again.
+    verify = lambda b, t: 0.010 + 0.012 * t / b  # noqa: E731
+    draft = lambda b: 0.002  # noqa: E731
+    ctrl = calibrated(verify, draft, max_depth=6, probe_depth=2, prior_acceptance=0.3)
+    ids = [f"r{i}" for i in range(32)]
+    first = ctrl.plan(32, ids)
+    assert first.depth == 6
+    ctrl.observe(StepStats(32, 6, 6, 0.012, verify(32, 32 * 7), [6] * 32, ids))
+    assert all(n == 32 for n in ctrl._num_seen)
+    assert min(ctrl.global_acceptance()) > 0.8   # each position: 32 acceptances over a prior worth 3
+    assert ctrl.num_probes == 1
+
+
 def test_a_guard_trip_on_a_passing_spell_is_short():
     # 16 sequences where speculation wins by far, but for the first 30 steps every speculative
     # step costs 8x (a bucket's first steps under load touch memory at that size first, and the
