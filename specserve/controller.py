@@ -237,7 +237,10 @@ above; the plans it picks when a request's acceptance reads high regressing to t
 each (batch bucket, depth) keeps what its whole steps measured against what was predicted for
 them, in two parts: tokens as a ratio of sums (a step of nine tokens weighs as nine), and
 time as the mean of each step's ratio clipped to 1.5x either way (a step slowed 8x by a spell
-counts once, at 1.5x). Both are sums discounted by ``bias_half_life`` steps, and the decision
+counts once, at 1.5x). Both are sums discounted by ``bias_half_life`` steps of their batch
+bucket (what a depth gets wrong at 16 sequences is a shape of the machine, the CPU's cost of
+80 rows against 64, and does not age while the server serves 64: counted in every engine
+step, a round of the sweep's other loads took two thirds of a bucket's evidence), and the decision
 reads every plan's prediction times its depth's factor: the ratio shrunk toward 1 as a normal
 mean with prior sd ``bias_prior_sd`` and the per-step noise its steps show, pooled with
 ``bias_noise_sd / sqrt(B)`` worth eight steps (at one sequence a step's tokens vary by half
@@ -902,7 +905,7 @@ class AdaptiveController:
         replan_interval: int = 4,
         probe_interval: int = 200,
         probe_depth: int = 2,
-        explore_interval: int = 16,
+        explore_interval: int = 8,
         tree_min_samples: int = 8,
         band_margin: float = 0.05,
         tree_max_profiled: int = 8,
@@ -920,7 +923,7 @@ class AdaptiveController:
         bias_half_life: float = 256.0,
         bias_prior_sd: float = 0.1,
         bias_noise_sd: float = 0.5,
-        bias_deadband: float = 0.03,
+        bias_deadband: float = 0.02,
         bias_limits: tuple[float, float] = (0.6, 1.5),
         stop_scale: float = 1.0,
     ):
@@ -1041,6 +1044,9 @@ class AdaptiveController:
         # Each depth's predicted goodput corrected by what its steps measured (see "Bias" in
         # the module docstring): (batch bucket, depth) -> discounted sums.
         self._bias: dict[tuple[int, int], _Bias] = {}
+        # Their clock: steps served per batch bucket (see "Bias": a bucket's figures fade with
+        # its own steps, not with the steps of other loads).
+        self._bucket_steps: dict[int, int] = {}
         self._factors: list[float] = [1.0] * (max_depth + 1)   # those the last evaluation read
         self._guard_hold_until: dict[int, int] = {}
         self._guard_holds_in_row: dict[int, int] = {}   # bucket -> trips in a row (the backoff)
@@ -1348,7 +1354,10 @@ class AdaptiveController:
                 self._explore_countdown = self.explore_interval
                 self._explore_up = not self._explore_up
                 d = cur.depth + 1 if self._explore_up else cur.depth - 1
-                if 1 <= d <= self.max_depth:
+                # Not past what any request of the batch can still draft: its trees would be
+                # cut back to the plan in use, and the step would measure that plan.
+                deepest = self.max_depth if not depth_caps else max(depth_caps)
+                if 1 <= d <= min(self.max_depth, deepest):
                     chosen = Plan(d, min(self.max_num_nodes, max(d, cur.num_nodes + d - cur.depth)))
                     self.num_explorations += 1
         self.goodput_estimate, self.expected_tokens_per_pass = scores.get(chosen, scores[cur])
@@ -1413,7 +1422,8 @@ class AdaptiveController:
         # A step's tokens are a sum over its sequences: their spread falls as 1/sqrt(B), down to
         # what the step's time alone varies by.
         noise_sd = max(0.1, self.bias_noise_sd / math.sqrt(b))
-        args = (self.num_steps, self.bias_decay, self.bias_prior_sd, noise_sd, self.bias_deadband, lo, hi)
+        args = (self._bucket_steps.get(b, 0), self.bias_decay, self.bias_prior_sd, noise_sd,
+                self.bias_deadband, lo, hi)
         biases = [self._bias.get((b, d)) for d in range(self.max_depth + 1)]
         # What the speculative depths measured share (each depth's own factor, one vote a
         # depth) stands for the depths without figures, and each depth's own figure is read
@@ -1557,6 +1567,7 @@ class AdaptiveController:
         if B <= 0:
             return
         self.num_steps += 1
+        clock = self._bucket_steps[_bucket(B)] = self._bucket_steps.get(_bucket(B), 0) + 1
         draft_depth = stats.depth if stats.draft_depth is None else stats.draft_depth
         ctx = stats.context_tokens
         if draft_depth > 0 and stats.draft_s > 0:
@@ -1592,10 +1603,10 @@ class AdaptiveController:
                     key = (_bucket(B), stats.depth)
                     bias = self._bias.get(key)
                     if bias is None:
-                        bias = self._bias[key] = _Bias(self.num_steps)
+                        bias = self._bias[key] = _Bias(clock)
                     tokens_pred = planned[2] * B
                     bias.add(rate * total_s, tokens_pred, total_s, tokens_pred / planned[1],
-                             self.num_steps, self.bias_decay)
+                             clock, self.bias_decay)
                 rate /= planned[1]
             key = (_bucket(B), stats.depth)
             m = self._measured.get(key)

@@ -1080,9 +1080,16 @@ def test_bias_factors_follow_measured_over_predicted_and_fade():
     assert depths[0] == 8 and 2 <= depths.count(8) <= 10 and depths[-10:] == [7] * 10
     f = ctrl.bias_factors(64)
     assert 0.7 < f[8] < 0.89 and f[:8] == [1.0] * 8 and ctrl.bias_factors(1) == [1.0] * 9
-    # Not run for 150 steps more (three half-lives): its weight is an eighth, and the noise
-    # prior shrinks it back toward 1.
-    ctrl.num_steps += 150
+    # Steps at other batch sizes do not age it: its figure is what the machine does at 64.
+    for _ in range(500):
+        ctrl.observe(StepStats(batch_size=4, depth=7, num_nodes=7, draft_s=0.01, verify_s=0.01,
+                               num_accepted=[6] * 4, request_ids=ids[:4]))
+    assert ctrl.bias_factors(64)[8] == f[8]
+    # 150 steps more at 64, none of them at depth 8 (three half-lives): its weight is an
+    # eighth, and the noise prior shrinks it back toward 1.
+    for _ in range(150):
+        ctrl.observe(StepStats(batch_size=64, depth=7, num_nodes=7, draft_s=0.01, verify_s=0.01,
+                               num_accepted=[6] * 64, request_ids=ids))
     assert ctrl.bias_factors(64)[8] > f[8] + 0.05
 
 
@@ -1115,7 +1122,7 @@ def test_an_error_every_depth_shares_gives_the_plan_in_use_no_edge():
     bias = low._bias[(64, 5)] = _Bias(0)
     for step in range(40):
         bias.add(64 * 5 * 0.8, 64 * 5, 1.0, 1.0, step, low.bias_decay)
-    low.num_steps = 40
+    low._bucket_steps[64] = 40
     g = low.bias_factors(64)
     assert g[5] < 0.9 and [x for i, x in enumerate(g) if i != 5] == [1.0] * 8
 
