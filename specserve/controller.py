@@ -1567,7 +1567,8 @@ class AdaptiveController:
         if B <= 0:
             return
         self.num_steps += 1
-        clock = self._bucket_steps[_bucket(B)] = self._bucket_steps.get(_bucket(B), 0) + 1
+        bucket = _bucket(B)
+        clock = self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
         draft_depth = stats.depth if stats.draft_depth is None else stats.draft_depth
         ctx = stats.context_tokens
         if draft_depth > 0 and stats.draft_s > 0:
@@ -1600,7 +1601,7 @@ class AdaptiveController:
                         and planned[0].depth == stats.depth and planned[0].num_nodes == stats.num_nodes)
             if is_ratio:
                 if self.bias_decay is not None and planned[2] > 0:
-                    key = (_bucket(B), stats.depth)
+                    key = (bucket, stats.depth)
                     bias = self._bias.get(key)
                     if bias is None:
                         bias = self._bias[key] = _Bias(clock)
@@ -1608,7 +1609,7 @@ class AdaptiveController:
                     bias.add(rate * total_s, tokens_pred, total_s, tokens_pred / planned[1],
                              clock, self.bias_decay)
                 rate /= planned[1]
-            key = (_bucket(B), stats.depth)
+            key = (bucket, stats.depth)
             m = self._measured.get(key)
             if m is None or m.is_ratio != is_ratio or self.num_steps - m.step > self.guard_max_age:
                 self._measured[key] = _Measured(rate, self.num_steps, is_ratio)
