@@ -87,12 +87,12 @@ catches the draft up and runs with the caches cold after the target's pass) are 
 online: batch sizes bucketed in powers of two; inside each batch bucket a verify point per
 rows per sequence (``n + 1``) and a draft point per depth, each an EMA of the time and of
 the exact ``T`` it saw. Queries interpolate piecewise-linearly between measured points,
-made non-decreasing first (isotonic: a point reading cheaper than a smaller pass is averaged
+made non-decreasing (isotonic: a point reading cheaper than a smaller pass is averaged
 with it; more rows or more levels never cost less, and such a fall is a stale point or a
-spell that would make the plans past it look cheap) and before that smoothed (each interior
-point read halfway to the line through its two neighbours: the true rows are close to
-straight, and a single point measured high by noise is a dip in the predicted goodput that
-the plan does not cross; see ``_ROW_SMOOTHING``), extrapolate with
+spell that would make the plans past it look cheap) but otherwise read as measured: the
+verify pass is not a straight line in the rows (on the dev CPU four rows a sequence cost
+less than three and five 18-23% more than four), and a row smoothed toward straight puts
+the predicted top on such a dip (see ``_Row.current``), extrapolate with
 the last segment's slope (never negative) beyond the largest, and interpolate in ``log2 B``
 between batch buckets. :meth:`AdaptiveController.calibrate` warm-starts every power-of-two
 batch bucket at start-up from a short measurement (spec.py: every chain length at every
@@ -431,33 +431,6 @@ def _pool_adjacent_violators(points: list[_EmaPoint]) -> None:
         i += n
 
 
-# How far a row's interior points are pulled toward the straight line through their two
-# neighbours when read (0: as measured, 1: onto it). A verify pass over r rows per sequence
-# costs close to a + b * r on the CPU (64 sequences: 65, 86, 94, 114, 136, 153, 170, 184, 201
-# ms for 1..9 rows, medians of 7 interleaved runs) and flat-then-linear on a GPU, but one
-# calibration measured the steps between 2..6 rows as 11.2, 1.1, 23.4, 0.0 ms and another
-# as 7.0, 13.4, 7.9, 18.0: a zigzag of single points, each a dip in the predicted goodput
-# curve that the band does not cross. In a 64-request sweep cell the plan sat at depth 1
-# behind such a dip at depth 2 for 60% of the cell (the thirteenth session's step logs).
-# Half the way damps a lone bump or a zigzag to half, and leaves a straight row and a row's
-# ends as they are.
-_ROW_SMOOTHING = 0.5
-
-
-def _smooth_interior(points: list[_EmaPoint], weight: float) -> None:
-    """Move each interior point's t `weight` of the way to the line through its two
-    neighbours (their values before this pass), in place; points sorted by x."""
-    if weight <= 0 or len(points) < 3:
-        return
-    ts = [p.t for p in points]
-    for i in range(1, len(points) - 1):
-        lo, p, hi = points[i - 1], points[i], points[i + 1]
-        if hi.x <= lo.x:
-            continue
-        line = ts[i - 1] + (ts[i + 1] - ts[i - 1]) * (p.x - lo.x) / (hi.x - lo.x)
-        p.t = ts[i] + weight * (line - ts[i])
-
-
 # How far one comparison with a neighbouring point (a measurement right after the row measured
 # another point) moves a point's reference: explorations come one step in 16, so each counts,
 # but one taken just as a slow spell ends is off by the spell.
@@ -507,7 +480,13 @@ class _Row:
                 out.append(_EmaPoint(p.x, p.t * self.level / p.level * self.standin_ratio))
             else:                  # measured: its place in the row's shape, at today's level
                 out.append(_EmaPoint(p.x, p.ref * self.level))
-        _smooth_interior(out, _ROW_SMOOTHING)
+        # Not smoothed toward a straight row: the verify pass zig-zags over rows (in the
+        # server at 16 sequences 32.9, 31.4, 37.1, 41.5 ms at 3, 4, 5, 6 rows, the nineteenth
+        # session's step logs), and read halfway to its neighbours' line each point lost its
+        # edge: the predicted top sat on the dip at depth 4 where depth 3 was best, 2-3% of
+        # goodput in an A/B over 16 sweep rounds. A lone point measured high by noise at
+        # start-up is a dip in the predicted curve only until the engine's own steps there
+        # replace it (explorations, one step in ``explore_interval``).
         _pool_adjacent_violators(out)
         self._current = out
         self._xs = [q.x for q in out]

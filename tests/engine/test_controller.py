@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from specserve.controller import (_ROW_SMOOTHING, AdaptiveController, _Bias, CostModel, Plan, StepStats,
+from specserve.controller import (AdaptiveController, _Bias, CostModel, Plan, StepStats,
                                   tree_expected_accepted)
 
 
@@ -224,10 +224,8 @@ def test_calibrated_draft_costs_stand_in_until_the_engine_runs_that_depth():
     cm.observe_draft_total(16, 3, 0.009)
     # Two replaced (2x, 1.5x): the last stand-in reads their mean ratio.
     assert cm.t_draft_total(16, 8) == pytest.approx(0.016 * 1.75)
-    # Depth 3 reads its own measurement, taken _ROW_SMOOTHING of the way to the line through
-    # its neighbours (depth 1 measured, depth 8 the stand-in).
-    line = 0.004 + (0.016 * 1.75 - 0.004) * 2 / 7
-    assert cm.t_draft_total(16, 3) == pytest.approx(0.009 + _ROW_SMOOTHING * (line - 0.009))
+    # Depth 3 reads its own measurement.
+    assert cm.t_draft_total(16, 3) == pytest.approx(0.009)
 
 
 def test_verify_points_are_kept_per_rows_per_sequence():
@@ -245,43 +243,61 @@ def test_verify_points_are_kept_per_rows_per_sequence():
 def test_a_point_reading_cheaper_than_a_smaller_pass_is_pooled_with_it():
     # 7 rows per sequence measured long ago (or in a fast spell) below 6: read as they stand,
     # depth 7 would look cheaper than depth 6 and the plan would jump past it. Costs are made
-    # non-decreasing in the rows (isotonic), after the interior points are smoothed: the two
-    # read as their mean, the others as smoothed (the ends as measured).
+    # non-decreasing in the rows (isotonic): the two read as their mean, the others as measured.
     cm = CostModel()
     for rows, t in ((1, 0.010), (2, 0.012), (6, 0.030), (7, 0.026)):
         cm.observe_verify(16, 16 * rows, t, track_level=False)
-    w = _ROW_SMOOTHING
-    two = 0.012 + w * ((0.010 + 0.020 / 5) - 0.012)          # toward the line from 1 to 6 rows
-    six = 0.030 + w * ((0.012 + 0.014 * 4 / 5) - 0.030)      # toward the line from 2 to 7 rows
-    assert six > 0.026
-    assert cm.t_verify(16, 16 * 6) == pytest.approx((six + 0.026) / 2)
-    assert cm.t_verify(16, 16 * 7) == pytest.approx((six + 0.026) / 2)
-    assert cm.t_verify(16, 16 * 2) == pytest.approx(two)
+    assert cm.t_verify(16, 16 * 6) == pytest.approx(0.028)
+    assert cm.t_verify(16, 16 * 7) == pytest.approx(0.028)
+    assert cm.t_verify(16, 16 * 2) == pytest.approx(0.012)
     assert cm.t_verify(16, 16 * 1) == pytest.approx(0.010)
     costs = [cm.t_verify(16, 16 * r) for r in range(1, 10)]
     assert costs == sorted(costs)
 
 
-def test_a_zigzag_of_single_points_is_damped_and_a_straight_row_kept():
-    # Calibration noise on a straight row: every other point 20% high. Read with each point
-    # halfway to the line through its neighbours, the steps between rows vary far less and no
-    # point stands out of its neighbours' line by more than half as much as before.
-    true = [0.030 + 0.010 * r for r in range(1, 10)]
-    noisy = [t * (1.2 if r % 2 == 0 else 1.0) for r, t in zip(range(1, 10), true)]
+# A verify pass over 1..9 rows per sequence at 16 sequences, in seconds, shaped like the dev
+# CPU's (nineteenth session: in the server 32.9, 31.4, 37.1, 41.5 ms at 3-6 rows): not a
+# straight line but a step between four rows and five. With a draft level at 3 ms and 0.8
+# acceptance, depth 3 is best, depth 4 (past the step) 0.91 of it, depths 2 and 5 0.98 and 0.93.
+_STEPPED_ROW = [0.020, 0.023, 0.027, 0.030, 0.037, 0.0375, 0.039, 0.043, 0.047]
+
+
+def stepped_verify(batch_size, num_tokens):
+    rows = num_tokens / batch_size
+    i = min(int(rows), len(_STEPPED_ROW) - 1)
+    lo = _STEPPED_ROW[i - 1]
+    hi = _STEPPED_ROW[i] if i < len(_STEPPED_ROW) else lo
+    return lo + (hi - lo) * (rows - i)
+
+
+def test_a_stepped_row_is_read_as_measured():
+    # Each point reads its measurement; only a fall is pooled (here none). A row smoothed
+    # toward the line through each point's neighbours would read 4 rows dearer and 5 cheaper
+    # and flatten the predicted curve over depths 3-6 to within 2%.
     cm = CostModel()
-    for r, t in zip(range(1, 10), noisy):
-        cm.observe_verify(16, 16 * r, t, track_level=False)
-    read = [cm.t_verify(16, 16 * r) for r in range(1, 10)]
-    steps = [b - a for a, b in zip(read, read[1:])]
-    raw_steps = [b - a for a, b in zip(noisy, noisy[1:])]
-    assert max(steps) - min(steps) < 0.6 * (max(raw_steps) - min(raw_steps))
-    def kinks(ts):
-        return [abs(ts[i] - (ts[i - 1] + ts[i + 1]) / 2) for i in range(1, len(ts) - 1)]
-    assert max(kinks(read)) <= 0.5 * max(kinks(noisy))
-    straight = CostModel()
-    for r, t in zip(range(1, 10), true):
-        straight.observe_verify(16, 16 * r, t, track_level=False)
-    assert [straight.t_verify(16, 16 * r) for r in range(1, 10)] == pytest.approx(true)
+    for r in range(1, 10):
+        cm.observe_verify(16, 16 * r, stepped_verify(16, 16 * r), track_level=False)
+    assert [cm.t_verify(16, 16 * r) for r in range(1, 10)] == pytest.approx(_STEPPED_ROW)
+
+
+def test_the_plan_finds_the_best_depth_before_a_step_in_the_row():
+    # The controller on the stepped row, costs exact: over 8 seeds it runs depth 3 for all of
+    # its last 300 steps but the explorations and probes (88%). With the rows smoothed halfway
+    # to their neighbours' line (the controller before the nineteenth session's finding) it
+    # ran depth 3 for 34-88% of them (0.981-0.993 of the best), the rest at 2 and 4.
+    a, batch = 0.8, 16
+    best = max(true_goodput(d, batch, a, stepped_verify, draft3) for d in range(9))
+    assert true_goodput(3, batch, a, stepped_verify, draft3) == best
+    for seed in range(8):
+        ctrl = calibrated(stepped_verify, draft3)
+        plans = simulate(ctrl, 400, batch, a, stepped_verify, draft3, random.Random(seed))[-300:]
+        assert sum(p.depth == 3 for p in plans) >= 0.8 * len(plans), seed
+        mean = sum(true_goodput(p.depth, batch, a, stepped_verify, draft3) for p in plans) / len(plans)
+        assert mean >= 0.985 * best, seed
+
+
+def draft3(batch_size):
+    return 0.003
 
 
 def test_trees_cut_near_max_tokens_count_only_what_ran():
@@ -986,8 +1002,12 @@ def test_guard_holds_back_off_while_speculation_keeps_losing():
 def test_noisy_costs_do_not_hold_the_plan_away_from_the_best_depth():
     # A CPU-like row (a verify pass costs a + b * rows) timed with 15% noise, at start-up and
     # every step. Each point's noise is a bump or a dip in the predicted goodput curve, and a
-    # dip next to the plan holds it on its side. Read with the rows smoothed, every one of 12
-    # runs stays near the best depth (without: the worst ran 0.87x of it).
+    # dip next to the plan holds it on its side until comparisons with its neighbours (one
+    # step in explore_interval) correct the point. Over 12 runs the plan stays near the best
+    # depth: mean 0.991, the worst 0.958 (a run whose calibration read 3-5 rows 14-29% dear
+    # and sat at depth 7). Rows smoothed toward their neighbours' line damped such points
+    # (worst 0.96+) but hid a true step in the row (the test above); the dev CPU's A/B
+    # measured the unsmoothed rows 2.3% faster.
     import math
 
     def verify(b, t):
@@ -1010,7 +1030,7 @@ def test_noisy_costs_do_not_hold_the_plan_away_from_the_best_depth():
         plans = simulate(ctrl, 300, batch, a, noisy, draft, random.Random(seed))
         tail = plans[-250:]
         ratios.append(sum(true_goodput(p.depth, batch, a, verify, draft) for p in tail) / len(tail) / top)
-    assert min(ratios) >= 0.96
+    assert min(ratios) >= 0.95
     assert sum(ratios) / len(ratios) >= 0.99
 
 
@@ -1018,11 +1038,13 @@ def _run_with_hidden_cost(bias: bool, batch_size: int, per_token: float, steps: 
     """Steps under a cost the model has no term for: the step's overhead grows with the tokens
     it emits (in the server, each token's output handling), while the model keeps one overhead
     figure per batch bucket, learnt at whichever depth runs, so it prices deep and shallow
-    plans at the same overhead. Returns the true tokens/s of the last three quarters."""
+    plans at the same overhead. Returns the true tokens/s of the last three quarters, the
+    depths run there, and the controller."""
     rng = random.Random(seed)
     ctrl = calibrated(roofline_verify, cheap_draft, **({} if bias else {"bias_half_life": 0}))
     ids = [f"r{i}" for i in range(batch_size)]
     tokens_sum = time_sum = 0.0
+    depths = []
     for i in range(steps):
         plan = ctrl.plan(batch_size, ids)
         acc = draw_accepted(plan.depth, len(ids), 0.8, rng)
@@ -1036,19 +1058,25 @@ def _run_with_hidden_cost(bias: bool, batch_size: int, per_token: float, steps: 
         if i >= steps // 4:
             tokens_sum += tokens
             time_sum += draft_s + verify_s + overhead_s
-    return tokens_sum / time_sum
+            depths.append(plan.depth)
+    return tokens_sum / time_sum, depths, ctrl
 
 
 def test_a_depth_that_measures_below_its_prediction_loses_its_place():
-    # 16 sequences, 0.3 ms of overhead per emitted token that the model cannot see: it
-    # settles at depth 5 (true goodput 1545 tokens/s against depth 3's 1707). Each depth's
-    # measured over predicted goodput corrects its prediction (shallow plans measure above
-    # theirs, deep ones below) and the plan moves toward the true top.
-    # Over four seeds: from one seed to another the plan spends a quarter of the run at depth
-    # 4 or at 5 (one seed 1.4% above the uncorrected run, the others 4.0-4.7%).
-    off = [_run_with_hidden_cost(False, 16, 0.0003, 1500, seed) for seed in range(4)]
-    on = [_run_with_hidden_cost(True, 16, 0.0003, 1500, seed) for seed in range(4)]
-    assert sum(on) > 1.03 * sum(off), [round(a / b, 3) for a, b in zip(on, off)]
+    # 16 sequences, 0.3 ms of overhead per emitted token that the model cannot see: true
+    # goodput by depth 3, 4, 5 is 1.0, 0.95, 0.90 of the best, but the model prices 4 and 5
+    # above 3: uncorrected, the plan runs depth 3 for 5-6% of the run and 5 or deeper for
+    # 8-23%. Each depth's measured over predicted goodput corrects its prediction: depth 5's
+    # factor falls out of the dead band below 1, the plan runs depth 3 for 14-21% and 5+ for
+    # 5-7%, and every seed's goodput rises (0.8-1.6%; with the rows smoothed the uncorrected
+    # plan sat deeper and the gain was 4%).
+    for seed in range(4):
+        off, off_depths, _ = _run_with_hidden_cost(False, 16, 0.0003, 1500, seed)
+        on, on_depths, ctrl = _run_with_hidden_cost(True, 16, 0.0003, 1500, seed)
+        assert ctrl.bias_factors(16)[5] < 0.985, seed
+        assert sum(d <= 3 for d in on_depths) > 2 * sum(d <= 3 for d in off_depths), seed
+        assert sum(d >= 5 for d in on_depths) < sum(d >= 5 for d in off_depths), seed
+        assert on > 1.005 * off, seed
 
 
 def test_the_bias_correction_costs_nothing_where_the_model_is_right():
@@ -1056,8 +1084,8 @@ def test_the_bias_correction_costs_nothing_where_the_model_is_right():
     # noisy for its first tens of steps; shrunk and with its dead band the correction must not
     # move the plan off the flat top the model gets right.
     for batch_size in (1, 16):
-        off = _run_with_hidden_cost(False, batch_size, 0.0, 1500, 1)
-        on = _run_with_hidden_cost(True, batch_size, 0.0, 1500, 1)
+        off = _run_with_hidden_cost(False, batch_size, 0.0, 1500, 1)[0]
+        on = _run_with_hidden_cost(True, batch_size, 0.0, 1500, 1)[0]
         assert on > 0.99 * off, batch_size
 
 
