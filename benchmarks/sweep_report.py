@@ -8,7 +8,8 @@ Checks, on output tokens/s: at every concurrency the adaptive controller reaches
 the best static depth at that concurrency; no single static depth is within 0.97x of
 adaptive at every concurrency; at the highest concurrency adaptive is at least 0.97x
 no speculation. Settings from `sweep --variant` (another revision's adaptive controller) are
-set beside adaptive in a table of their own.
+set beside adaptive in a table of their own; `--baseline NAME` reads them against another
+setting instead (an A/B sweep of two revisions, `--settings new pre`, has no adaptive).
 
 The best static depth of a concurrency is picked by its measured throughput, so its figure is
 the largest of six noisy ones and reads high: where the curve is flat and the noise is ~10% a
@@ -106,37 +107,49 @@ def cell_noise(cells: dict) -> tuple[float, int] | None:
 
 
 def variant_lines(cells: dict, tput: dict, variants: list[str], concs: list[int],
-                  noise: tuple[float, int] | None) -> list[str]:
-    """Each variant (sweep --variant: another revision's adaptive controller) over adaptive, per
-    concurrency: pooled, and the spread of the rounds' own ratios (round i of both ran in one
-    stretch of time)."""
+                  noise: tuple[float, int] | None, baseline: str = "adaptive") -> list[str]:
+    """Each variant (sweep --variant: another revision's adaptive controller) over the baseline
+    setting, per concurrency: pooled, then the geometric mean of the rounds' own ratios with
+    its standard error and their range (round i of both ran in one stretch of time, so their
+    ratio cancels the machine's pace that stretch)."""
     if not variants:
         return []
-    lines = ["", "| variant / adaptive | " + " | ".join(f"c={c}" for c in concs) + " | all |",
+    lines = ["", f"| variant / {baseline} | " + " | ".join(f"c={c}" for c in concs) + " | all |",
              "|---|" + "---|" * (len(concs) + 1)]
     for v in variants:
-        ratios, logs = [], []
+        ratios, logs, round_logs = [], [], []
         for c in concs:
-            if (v, c) not in tput or ("adaptive", c) not in tput:
+            if (v, c) not in tput or (baseline, c) not in tput:
                 ratios.append("n/a")
                 continue
-            per_round = [a["metrics"]["output_throughput"] / b["metrics"]["output_throughput"]
-                         for a, b in zip(cells[(v, c)], cells[("adaptive", c)])]
-            r = tput[(v, c)] / tput[("adaptive", c)]
+            per_round = [math.log(a["metrics"]["output_throughput"] / b["metrics"]["output_throughput"])
+                         for a, b in zip(cells[(v, c)], cells[(baseline, c)])]
+            r = tput[(v, c)] / tput[(baseline, c)]
             logs.append(math.log(r))
-            ratios.append(f"{r:.3f} ({min(per_round):.2f}-{max(per_round):.2f})")
-        overall = f"{math.exp(sum(logs) / len(logs)):.3f}" if logs else "n/a"
+            round_logs.append(statistics.mean(per_round))
+            spread = f"{math.exp(min(per_round)):.2f}-{math.exp(max(per_round)):.2f}"
+            if len(per_round) > 1:
+                se = statistics.stdev(per_round) / len(per_round) ** 0.5
+                ratios.append(f"{r:.3f} ({math.exp(round_logs[-1]):.3f} +-{se:.3f}; {spread})")
+            else:
+                ratios.append(f"{r:.3f} ({spread})")
+        overall = (f"{math.exp(sum(logs) / len(logs)):.3f} ({math.exp(statistics.mean(round_logs)):.3f})"
+                   if logs else "n/a")
         lines.append(f"| {v} | " + " | ".join(ratios) + f" | {overall} |")
+    lines.append("\n(pooled ratio; in brackets the geometric mean of the rounds' ratios +- its standard "
+                 "error in log, and their min-max; all: geometric mean over the concurrencies of each.)")
     if noise is not None:
         rounds = min(len(x) for x in cells.values())
         se = noise[0] * (2 / rounds) ** 0.5
-        lines.append(f"\n(pooled ratio, rounds' min-max in brackets; all: geometric mean over the "
-                     f"concurrencies. One ratio is good to about +-{100 * se:.1f}%, the mean of "
+        lines.append(f"(From the cell noise, one ratio is good to about +-{100 * se:.1f}%, the mean of "
                      f"{len(concs)} to about +-{100 * se / len(concs) ** 0.5:.1f}%.)")
     return lines
 
 
-def report(cells: dict) -> tuple[str, list[dict]]:
+def report(cells: dict, baseline: str = "adaptive") -> tuple[str, list[dict]]:
+    """The table, issue 6's checks and the variants' ratios. baseline: the setting the
+    variants are read against (an A/B of two revisions, `--settings new pre`, has no
+    adaptive: `--baseline new`)."""
     medians = {k: pooled(v) for k, v in cells.items()}
     settings = sorted({s for s, _ in medians}, key=lambda s: (s != "none", s != "adaptive", s))
     concs = sorted({c for _, c in medians})
@@ -196,8 +209,9 @@ def report(cells: dict) -> tuple[str, list[dict]]:
         "latencies from the repetition with the median throughput)",
     ]
     noise = cell_noise(cells)
-    summary += variant_lines(cells, tput, [s for s in settings if s not in ("none", "adaptive") and s not in statics],
-                             concs, noise)
+    if any(s == baseline for s, _ in cells):
+        variants = [s for s in settings if s not in ("none", baseline) and s not in statics]
+        summary += variant_lines(cells, tput, variants, concs, noise, baseline)
     if noise is not None:
         rounds = min(len(v) for v in cells.values())
         summary.append(
@@ -211,9 +225,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dirs", nargs="+", type=Path)
     ap.add_argument("--out-dir", type=Path, required=True)
+    ap.add_argument("--baseline", default=None,
+                    help="the setting the other adaptive settings (sweep --variant) are read against "
+                         "(default adaptive; an A/B sweep of two variants names one of them)")
     args = ap.parse_args()
+    cells = load(args.dirs)
+    if args.baseline is not None and not any(s == args.baseline for s, _ in cells):
+        raise SystemExit(f"sweep_report: --baseline {args.baseline!r} is not a setting of these rounds "
+                         f"(they ran {', '.join(sorted({s for s, _ in cells}))})")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    text, medians = report(load(args.dirs))
+    text, medians = report(cells, args.baseline or "adaptive")
     (args.out_dir / "report.md").write_text(text)
     (args.out_dir / "median_results.json").write_text(json.dumps(medians, indent=1))
     for path in plots.make_all(medians, args.out_dir):

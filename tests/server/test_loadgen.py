@@ -345,6 +345,40 @@ def test_sweep_report_picks_the_best_static_out_of_sample():
     assert "picked on the other rounds: **n/a (one round)**" in sweep_report.report(one)[0]
 
 
+def test_sweep_report_reads_an_ab_sweep_against_the_named_baseline(tmp_path):
+    """An A/B of two revisions (sweep --variant new REV --variant pre REV --settings new pre)
+    has no adaptive: --baseline new reads pre against new, per concurrency pooled and as the
+    geometric mean of the rounds' ratios with its standard error."""
+    from benchmarks import sweep_report
+
+    def run(label, tokens, r):
+        return {"config": {"label": label, "max_concurrency": 1, "round": r},
+                "metrics": {"output_throughput": float(tokens), "total_output_tokens": tokens,
+                            "duration_s": 1.0, "ttft_s": {"median": 0.1}}}
+
+    rounds = [[run("new", 100, 0), run("pre", 110, 0)], [run("new", 100, 1), run("pre", 90, 1)]]
+    dirs = []
+    for r, results in enumerate(rounds):
+        d = tmp_path / f"round{r}"
+        d.mkdir()
+        (d / "all_results.json").write_text(json.dumps(results))
+        dirs.append(d)
+    text, _ = sweep_report.report(sweep_report.load(dirs), baseline="new")
+    # Pooled 200 / 200; per round 1.1 and 0.9: geometric mean 0.995, log sd 0.142 over 2.
+    assert "| variant / new | c=1 | all |" in text
+    assert "| pre | 1.000 (0.995 +-0.100; 0.90-1.10) | 1.000 (0.995) |" in text
+    # Without a baseline among the settings: no variant table, no crash.
+    assert "variant /" not in sweep_report.report(sweep_report.load(dirs))[0]
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = subprocess.run([sys.executable, "-m", "benchmarks.sweep_report", *map(str, dirs),
+                          "--out-dir", str(tmp_path / "rep"), "--baseline", "old"],
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode != 0
+    assert "--baseline 'old' is not a setting of these rounds (they ran new, pre)" in out.stderr
+
+
 def test_cpu_lists_and_pinning_the_server_and_the_client(tmp_path):
     """--server-cpus / --client-cpus (and loadgen --cpus): taskset's CPU lists, a clear error
     for a bad one, and a started server runs every thread on the CPUs it was given."""
