@@ -218,6 +218,8 @@ def report(cells: dict, baseline: str = "adaptive") -> tuple[str, list[dict]]:
             f"- cell noise: {100 * noise[0]:.1f}% (sd of one cell's log throughput about its setting's and its "
             f"round's levels, {noise[1]} degrees of freedom); a ratio of two settings pooled over {rounds} rounds "
             f"is good to about +-{100 * noise[0] * (2 / rounds) ** 0.5:.1f}% (one standard error)")
+    if not (statics and has_adaptive):
+        checks = []   # no row to show: an A/B of variants, or static settings only
     return "\n".join(lines + checks + summary) + "\n", list(medians.values())
 
 

@@ -367,6 +367,7 @@ def test_sweep_report_reads_an_ab_sweep_against_the_named_baseline(tmp_path):
     # Pooled 200 / 200; per round 1.1 and 0.9: geometric mean 0.995, log sd 0.142 over 2.
     assert "| variant / new | c=1 | all |" in text
     assert "| pre | 1.000 (0.995 +-0.100; 0.90-1.10) | 1.000 (0.995) |" in text
+    assert "| concurrency | best static |" not in text   # no checks table without statics
     # Without a baseline among the settings: no variant table, no crash.
     assert "variant /" not in sweep_report.report(sweep_report.load(dirs))[0]
     import subprocess
