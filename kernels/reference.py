@@ -179,7 +179,7 @@ def _uniform_batch_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale
     pad = _CPU_SDPA_PADDED_ROWS.get(q_len, q_len) - q_len if dev.type == "cpu" else 0
     max_len = max(seq_lens)
     num_blocks = (max_len + block_size - 1) // block_size
-    mask = meta.scratch.get(key)  # [B, 1, q_len, S], the same in every layer
+    mask = meta.scratch.get(key)  # [B, 1, q_len + pad, S], the same in every layer
     if mask is None:
         j = torch.arange(num_blocks * block_size, device=dev)[None, None, :]  # [1, 1, S]
         ctx = (torch.tensor(seq_lens, device=dev) - q_len)[:, None, None]  # [B, 1, 1]

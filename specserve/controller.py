@@ -485,8 +485,10 @@ class _Row:
         # session's step logs), and read halfway to its neighbours' line each point lost its
         # edge: the predicted top sat on the dip at depth 4 where depth 3 was best, 2-3% of
         # goodput in an A/B over 16 sweep rounds. A lone point measured high by noise at
-        # start-up is a dip in the predicted curve only until the engine's own steps there
-        # replace it (explorations, one step in ``explore_interval``).
+        # start-up is a dip in the predicted curve until the engine's own steps there replace
+        # it: soon next to the plan (explorations, one step in ``explore_interval``), only
+        # when the plan comes near for a point further off (the worst run of
+        # test_noisy_costs_do_not_hold_the_plan_away_from_the_best_depth).
         _pool_adjacent_violators(out)
         self._current = out
         self._xs = [q.x for q in out]
