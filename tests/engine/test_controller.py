@@ -270,6 +270,10 @@ def stepped_verify(batch_size, num_tokens):
     return lo + (hi - lo) * (rows - i)
 
 
+def draft3(batch_size):
+    return 0.003
+
+
 def test_a_stepped_row_is_read_as_measured():
     # Each point reads its measurement; only a fall is pooled (here none). A row smoothed
     # toward the line through each point's neighbours would read 4 rows dearer and 5 cheaper
@@ -294,10 +298,6 @@ def test_the_plan_finds_the_best_depth_before_a_step_in_the_row():
         assert sum(p.depth == 3 for p in plans) >= 0.8 * len(plans), seed
         mean = sum(true_goodput(p.depth, batch, a, stepped_verify, draft3) for p in plans) / len(plans)
         assert mean >= 0.985 * best, seed
-
-
-def draft3(batch_size):
-    return 0.003
 
 
 def test_trees_cut_near_max_tokens_count_only_what_ran():
