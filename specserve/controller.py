@@ -176,11 +176,18 @@ observed counts as due, so a fresh controller probes on its first plain step, at
 weighs as ``_PRIOR_OBSERVATIONS`` observations in a position's first EMA steps: one probe of a
 batch replaces the guess rather than nudging it.
 
-**Neighbours.** The plan in use refreshes only its own cost buckets; a plan one level
-shallower or deeper is judged on older numbers, and the level shift of the contexts since
-does not move every bucket alike. So every ``explore_interval`` steps (speculating) one step
-runs one level deeper or shallower, alternately: the neighbours stay measured, for about
-``1 / explore_interval`` of a near-best step's goodput.
+**Explorations.** The plan in use refreshes only its own cost buckets; the other plans are
+judged on older numbers, and the level shift of the contexts since does not move every bucket
+alike. So every ``explore_interval`` steps (speculating) one step runs another depth: of the
+plan's neighbours and every depth whose best plan is predicted within ``explore_margin`` of
+the top, the one this batch bucket ran least recently, a neighbour's time since counted
+double (with only the neighbours in reach: one level up, one down, in turn). The cost is
+``1 / explore_interval`` of a step at most ``explore_margin`` below the top. Neighbours alone
+(until the twenty-first session) leave a depth two levels off on whatever it last read, and
+on the CPU the goodput curve over depth is not concave: in the twentieth session's sweep at
+16 requests the fixed depths 3, 4, 5, 6 measured 1.00, 0.89, 0.89, 0.91 of the best (four
+verify rows cheap, five dear); the plan sat at depth 5, its neighbours read as its equals,
+and depth 3, predicted at 0.95 of the top from old numbers, was not measured again.
 
 **The centre of the band.** Near the top the goodput curve is flat (on the dev CPU at one
 request, static depths 4-7 measured within 4% of each other) and the predictions carry errors
@@ -887,6 +894,7 @@ class AdaptiveController:
         probe_interval: int = 200,
         probe_depth: int = 2,
         explore_interval: int = 8,
+        explore_margin: float = 0.15,
         tree_min_samples: int = 8,
         band_margin: float = 0.05,
         tree_max_profiled: int = 8,
@@ -953,6 +961,7 @@ class AdaptiveController:
         self.replan_interval = max(1, replan_interval)
         self.probe_interval = probe_interval
         self.explore_interval = explore_interval
+        self.explore_margin = explore_margin
         self.tree_min_samples = tree_min_samples
         self.band_margin = band_margin
         self.tree_max_profiled = tree_max_profiled
@@ -1018,7 +1027,8 @@ class AdaptiveController:
         self._tree_accepted = 0.0
         self._tree_predicted = 0.0
         self._explore_countdown = explore_interval
-        self._explore_up = False
+        # (batch bucket, depth) -> the bucket's step clock when that depth last ran there
+        self._last_run: dict[tuple[int, int], int] = {}
         # The guard (see the module docstring): measured goodput per (batch bucket, depth), the
         # buckets held at depth 0 until a step count, and the countdown to the next depth-0 step.
         self._measured: dict[tuple[int, int], _Measured] = {}
@@ -1333,18 +1343,45 @@ class AdaptiveController:
             self._explore_countdown -= 1
             if self._explore_countdown <= 0:
                 self._explore_countdown = self.explore_interval
-                self._explore_up = not self._explore_up
-                d = cur.depth + 1 if self._explore_up else cur.depth - 1
                 # Not past what any request of the batch can still draft: its trees would be
                 # cut back to the plan in use, and the step would measure that plan.
                 deepest = self.max_depth if not depth_caps else max(depth_caps)
-                if 1 <= d <= min(self.max_depth, deepest):
+                d = self._exploration(batch_size, cur, scores, min(self.max_depth, deepest))
+                if d is not None:
                     chosen = Plan(d, min(self.max_num_nodes, max(d, cur.num_nodes + d - cur.depth)))
                     self.num_explorations += 1
         self.goodput_estimate, self.expected_tokens_per_pass = scores.get(chosen, scores[cur])
         self._planned = (chosen, self.goodput_estimate, self.expected_tokens_per_pass)
         self.stop_below = self.stop_threshold(batch_size, chosen, scores)
         return self._record(chosen)
+
+    def _exploration(self, batch_size: int, cur: Plan, scores: dict[Plan, tuple[float, float]],
+                     deepest: int) -> int | None:
+        """The depth an exploration step runs: of the plan's neighbours and every depth whose
+        best plan is predicted within ``explore_margin`` of the top (as the decision reads
+        them, bias corrected), the one this batch bucket ran least recently (never: first;
+        ties: the nearer, then the shallower), a neighbour's time since counted double. With
+        only the neighbours in reach that is one level up, one down, in turn."""
+        b = _bucket(batch_size)
+        factors = self._factors
+        best_at: dict[int, float] = {}
+        for p, (g, _) in scores.items():
+            best_at[p.depth] = max(best_at.get(p.depth, 0.0), g * factors[p.depth])
+        top = max(best_at.values(), default=0.0)
+        floor = top * (1.0 - self.explore_margin)
+        candidates = [d for d in range(1, deepest + 1) if d != cur.depth
+                      and (abs(d - cur.depth) == 1 or (self.explore_margin > 0 and best_at.get(d, 0.0) >= floor))]
+        if not candidates:
+            return None
+        clock = self._bucket_steps.get(b, 0)
+
+        def due(d: int) -> tuple:
+            last = self._last_run.get((b, d))
+            if last is None:
+                return (1, 0, -abs(d - cur.depth), -d)
+            # A neighbour's age counts double: the plan moves to its neighbours first.
+            return (0, (clock - last) * (2 if abs(d - cur.depth) == 1 else 1), -abs(d - cur.depth), -d)
+        return max(candidates, key=due)
 
     def stop_threshold(self, batch_size: int, plan: Plan, scores: dict[Plan, tuple[float, float]]) -> float:
         """The path probability below which a chain stops growing this step (early stop).
@@ -1550,6 +1587,7 @@ class AdaptiveController:
         self.num_steps += 1
         bucket = _bucket(B)
         clock = self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
+        self._last_run[(bucket, stats.depth)] = clock
         draft_depth = stats.depth if stats.draft_depth is None else stats.draft_depth
         ctx = stats.context_tokens
         if draft_depth > 0 and stats.draft_s > 0:

@@ -97,8 +97,11 @@ def test_flat_verify_high_acceptance_goes_deep():
     ctrl = calibrated(flat_verify, cheap_draft)
     plans = simulate(ctrl, 300, 4, 0.9, flat_verify, cheap_draft, rng)
     last = plans[-50:]
-    assert min(p.depth for p in last) >= 6, last
-    assert all(near_optimal(p, 4, 0.9, flat_verify, cheap_draft) for p in last)
+    # The plan in use is deep; the steps off it are explorations of depths near the top.
+    assert ctrl.current.depth >= 6
+    assert sum(p.depth >= 6 for p in last) >= 0.85 * len(last), last
+    best = max(true_goodput(d, 4, 0.9, flat_verify, cheap_draft) for d in range(9))
+    assert sum(true_goodput(p.depth, 4, 0.9, flat_verify, cheap_draft) for p in last) >= 0.97 * best * len(last)
     snap = ctrl.snapshot()
     assert sum(snap["acceptance_per_position"][:3]) / 3 == pytest.approx(0.9, abs=0.1)
     assert snap["goodput_estimate"] > 3 * 4 / 0.021   # well above plain decode's ~190 tok/s
@@ -552,12 +555,13 @@ def test_deep_positions_with_thin_or_old_data_lean_on_the_position_above():
 
 def test_neighbours_are_explored_one_step_at_a_time():
     # Every explore_interval steps one step runs one level shallower or deeper (alternately)
-    # than the plan in use, so the neighbours' costs stay measured.
+    # than the plan in use, so the neighbours' costs stay measured (explore_margin 0: the
+    # neighbours alone; the depths further off near the top are the next test's).
     rng = random.Random(9)
     # (band_margin as when this was written: at 5% the plan in use here sits on the margin's edge
     # and changes now and then, which is not what this test is about)
     ctrl = calibrated(roofline_verify, cheap_draft, explore_interval=10, probe_interval=0, guard_interval=0,
-                      band_margin=0.03)
+                      band_margin=0.03, explore_margin=0.0)
     simulate(ctrl, 200, 1, 0.8, roofline_verify, cheap_draft, rng, ids=["a"])
     plans = simulate(ctrl, 100, 1, 0.8, roofline_verify, cheap_draft, rng, ids=["a"])
     excursions = [(i, plans[i].depth - plans[i - 1].depth) for i in range(1, len(plans) - 1)
@@ -567,6 +571,80 @@ def test_neighbours_are_explored_one_step_at_a_time():
     assert all(b - a == 10 for (a, _), (b, _) in zip(excursions, excursions[1:]))
     assert all(x != y for (_, x), (_, y) in zip(excursions, excursions[1:]))   # up, down, up...
     assert ctrl.snapshot()["num_explorations"] >= len(excursions)
+
+
+def test_explorations_visit_every_depth_near_the_top_the_stalest_first():
+    # Predicted: depth 5 on top; 4 and 6 (its neighbours) and 3 within explore_margin (15%)
+    # of it; 2 and 7 below. The explorations run 3, 4 and 6, each in turn, a neighbour twice
+    # as often as depth 3 (its time since counts double), and nothing else; the plan stays.
+    curve = {0: 50, 1: 60, 2: 80, 3: 90, 4: 97, 5: 100, 6: 95, 7: 84, 8: 70}
+    ids = [f"r{i}" for i in range(16)]
+
+    def run(**kw):
+        ctrl = _with_predictions(calibrated(flat_verify, cheap_draft, probe_interval=0, guard_interval=0,
+                                            bias_half_life=0, explore_interval=4, **kw), lambda: curve)
+        depths = []
+        for _ in range(480):
+            plan = ctrl.plan(16, ids)
+            depths.append(plan.depth)
+            ctrl.observe(StepStats(batch_size=16, depth=plan.depth, num_nodes=plan.num_nodes,
+                                   draft_s=0.001 * plan.depth, verify_s=0.02, num_accepted=[1] * 16,
+                                   request_ids=ids))
+        return ctrl, [d for d in depths[40:] if d != 5]
+
+    ctrl, explored = run()
+    assert ctrl.current == Plan(5, 5)
+    assert set(explored) == {3, 4, 6}
+    assert len(explored) == pytest.approx(440 / 4, abs=2)
+    assert 0.15 * len(explored) <= explored.count(3) <= 0.3 * len(explored)
+    assert abs(explored.count(4) - explored.count(6)) <= 2
+    # No margin: the neighbours alone, one up, one down.
+    ctrl, explored = run(explore_margin=0.0)
+    assert set(explored) == {4, 6} and abs(explored.count(4) - explored.count(6)) <= 1
+
+
+# A goodput curve over depth that is not concave (the twentieth session's sweep at 16
+# requests: four verify rows cheap, five dear): depth 3 is best, 5 a local top 0.94 of it
+# with its neighbours 4 and 6 at 0.90. The start-up calibration read the four-row pass 25%
+# dear (a slow spell), so depth 3 is predicted 0.89 of depth 5 and the plan starts at 5.
+_TRAP_ROW = [0.0167, 0.026, 0.034, 0.0343, 0.0445, 0.046, 0.052, 0.057, 0.062]
+_TRAP_ACCEPTANCE = [0.85, 0.85, 0.85, 0.9, 0.9, 0.9, 0.9, 0.9]
+
+
+def trap_verify(batch_size, num_tokens):
+    return _TRAP_ROW[min(round(num_tokens / batch_size), 9) - 1]
+
+
+def test_a_depth_two_levels_off_the_plan_is_measured_again():
+    def goodput(d):
+        e, p = 1.0, 1.0
+        for k in range(d):
+            p *= _TRAP_ACCEPTANCE[k]
+            e += p
+        return 16 * e / (d * 0.0035 + trap_verify(16, 16 * (d + 1)))
+
+    top = goodput(3)
+    assert top == max(goodput(d) for d in range(9)) and goodput(5) > max(goodput(4), goodput(6))
+
+    def run(seed, **kw):
+        ctrl = AdaptiveController(**kw)
+        ctrl.calibrate(lambda b, t: trap_verify(b, t) * (1.25 if round(t / b) == 4 else 1.0),
+                       lambda b: 0.0035, batch_sizes=[16], nodes_per_seq=range(9),
+                       measure_draft_total=lambda b, d: 0.0035 * d)
+        plans = simulate(ctrl, 400, 16, _TRAP_ACCEPTANCE, trap_verify, lambda b: 0.0035, random.Random(seed))
+        tail = plans[-300:]
+        return sum(goodput(p.depth) for p in tail) / len(tail) / top, ctrl.costs.t_verify(16, 64) / trap_verify(16, 64)
+
+    # Explorations within 15% of the top reach depth 3: its point is measured again and the
+    # plan moves there (0.95-0.99 of the best over 8 seeds). Neighbours alone (explore_margin
+    # 0) left 7 of 8 seeds at depth 5, 0.89-0.92 of the best, the point still read 1.25x.
+    stuck = 0
+    for seed in range(8):
+        ratio, point = run(seed)
+        assert ratio >= 0.95 and point == pytest.approx(1.0, abs=0.02), seed
+        ratio, point = run(seed, explore_margin=0.0)
+        stuck += ratio < 0.93 and point > 1.2
+    assert stuck >= 6
 
 
 def test_tree_plans_use_the_drafts_path_probabilities_once_measured():
@@ -1065,17 +1143,17 @@ def _run_with_hidden_cost(bias: bool, batch_size: int, per_token: float, steps: 
 def test_a_depth_that_measures_below_its_prediction_loses_its_place():
     # 16 sequences, 0.3 ms of overhead per emitted token that the model cannot see: true
     # goodput by depth 3, 4, 5 is 1.0, 0.95, 0.90 of the best, but the model prices 4 and 5
-    # above 3: uncorrected, the plan runs depth 3 for 5-6% of the run and 5 or deeper for
-    # 8-23%. Each depth's measured over predicted goodput corrects its prediction: depth 5's
-    # factor falls out of the dead band below 1, the plan runs depth 3 for 14-21% and 5+ for
-    # 5-7%, and every seed's goodput rises (0.8-1.6%; with the rows smoothed the uncorrected
-    # plan sat deeper and the gain was 4%).
+    # above 3. Uncorrected, the plan runs depth 5 or deeper for 12-36% of the run. Each
+    # depth's measured over predicted goodput corrects its prediction: the shallow depths,
+    # which carry less of the hidden cost, read 1.03-1.04 at depth 3 against 0.97-0.99 at
+    # depth 5, the plan leaves depth 5 and deeper but for explorations (8% of the steps), and
+    # every seed's goodput rises (0.6-1.8%).
     for seed in range(4):
         off, off_depths, _ = _run_with_hidden_cost(False, 16, 0.0003, 1500, seed)
         on, on_depths, ctrl = _run_with_hidden_cost(True, 16, 0.0003, 1500, seed)
-        assert ctrl.bias_factors(16)[5] < 0.985, seed
-        assert sum(d <= 3 for d in on_depths) > 2 * sum(d <= 3 for d in off_depths), seed
-        assert sum(d >= 5 for d in on_depths) < sum(d >= 5 for d in off_depths), seed
+        f = ctrl.bias_factors(16)
+        assert f[3] > f[5] + 0.03, seed
+        assert sum(d >= 5 for d in on_depths) < 0.7 * sum(d >= 5 for d in off_depths), seed
         assert on > 1.005 * off, seed
 
 
