@@ -122,13 +122,22 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
     own[d]        the adaptive steps at depth d: tokens emitted over the tokens their
                   predicted goodput promised for their time (what the controller's bias
                   correction learns; 1.0 where the model was right)
+    step_ms[d], tokens[d]
+                  the fixed setting's mean step time and tokens a sequence a step at depth d
+    pred_ms[d], pred_tokens[d]
+                  what the adaptive controller's fresh evaluations predicted for depth d at
+                  their batch (logs with "tokens"): where the two part, the cost model or the
+                  acceptance model is wrong about that depth
     """
     acc: dict[int, dict] = defaultdict(lambda: {"tok": defaultdict(float), "sec": defaultdict(float),
                                                  "pred": defaultdict(float), "evals": 0,
                                                  "corr": defaultdict(float), "corr_evals": 0,
                                                  "own_tok": defaultdict(float),
                                                  "own_pred": defaultdict(float),
-                                                 "share": defaultdict(float)})
+                                                 "share": defaultdict(float),
+                                                 "steps": defaultdict(int), "seqs": defaultdict(float),
+                                                 "pred_ms": defaultdict(float), "pred_tok": defaultdict(float),
+                                                 "tok_evals": defaultdict(int)})
     for setting, conc, _res, steps in cells:
         a = acc[conc]
         fixed = 0 if setting == "none" else (int(setting[6:]) if re.fullmatch(r"static\d+", setting) else None)
@@ -138,6 +147,8 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
             if fixed is not None and s["depth"] == fixed:
                 a["tok"][fixed] += s["emitted"]
                 a["sec"][fixed] += s["step_s"]
+                a["steps"][fixed] += 1
+                a["seqs"][fixed] += s["decode"]
             elif setting == "adaptive":
                 a["share"][s["depth"]] += s["step_s"]
                 if s.get("predicted"):
@@ -150,6 +161,13 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
                         if g is not None:
                             a["pred"][d] += g / top
                     a["evals"] += 1
+                    tokens = s.get("tokens")
+                    if tokens and len(tokens) == len(curve):
+                        for d, (g, e) in enumerate(zip(curve, tokens)):
+                            if g and e is not None:
+                                a["pred_ms"][d] += 1e3 * s["decode"] * e / g
+                                a["pred_tok"][d] += e
+                                a["tok_evals"][d] += 1
                     bias = s.get("bias")
                     if bias and len(bias) == len(curve):
                         corr = [None if g is None else g * f for g, f in zip(curve, bias)]
@@ -170,6 +188,10 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
                           if a["corr_evals"] else {}),
             "own": {d: a["own_tok"][d] / a["own_pred"][d] for d in sorted(a["own_pred"])
                     if a["own_pred"][d] > 0},
+            "step_ms": {d: 1e3 * a["sec"][d] / a["steps"][d] for d in sorted(a["steps"])},
+            "tokens": {d: a["tok"][d] / a["seqs"][d] for d in sorted(a["seqs"]) if a["seqs"][d] > 0},
+            "pred_ms": {d: a["pred_ms"][d] / n for d, n in sorted(a["tok_evals"].items())},
+            "pred_tokens": {d: a["pred_tok"][d] / n for d, n in sorted(a["tok_evals"].items())},
         }
     return out
 
@@ -197,6 +219,13 @@ def curves_markdown(cs: dict[int, dict]) -> str:
         if own:
             lines.append("| adaptive steps, measured / predicted | "
                          + " | ".join(f"{own[d]:.2f}" if d in own else "" for d in depths) + " |")
+        for label, key, fmt in (("fixed setting, ms a step", "step_ms", "{:.1f}"),
+                                ("adaptive predicted, ms a step", "pred_ms", "{:.1f}"),
+                                ("fixed setting, tokens a sequence", "tokens", "{:.2f}"),
+                                ("adaptive predicted, tokens a sequence", "pred_tokens", "{:.2f}")):
+            row = c.get(key, {})
+            if row:
+                lines.append(f"| {label} | " + " | ".join(fmt.format(row[d]) if d in row else "" for d in depths) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -1424,6 +1424,18 @@ class AdaptiveController:
             best[p.depth] = max(best[p.depth] or 0.0, g)
         return best
 
+    def fresh_tokens(self) -> list[float | None] | None:
+        """With fresh_curve: the expected tokens per sequence of each depth's best plan (with
+        the curve, the predicted step time: batch x tokens / goodput; the step report sets
+        both against what the fixed depths measured)."""
+        if self.mode != "adaptive" or self._scores is None or self._since_evaluated != 0:
+            return None
+        best: list[tuple[float, float] | None] = [None] * (self.max_depth + 1)
+        for p, (g, e) in self._scores.items():
+            if best[p.depth] is None or g > best[p.depth][0]:
+                best[p.depth] = (g, e)
+        return [None if b is None else b[1] for b in best]
+
     def fresh_bias(self) -> list[float] | None:
         """With fresh_curve: the bias factor of each depth that decision read (see "Bias")."""
         if self.mode != "adaptive" or self._scores is None or self._since_evaluated != 0:

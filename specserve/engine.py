@@ -300,6 +300,7 @@ class LLMEngine:
             if curve is not None:
                 record["curve"] = [None if g is None else round(g, 2) for g in curve]
                 record["bias"] = [round(f, 3) for f in controller.fresh_bias()]
+                record["tokens"] = [None if e is None else round(e, 3) for e in controller.fresh_tokens()]
         self.step_log.write(record)
 
     def _decode(self, batch: SchedulerOutput) -> dict[str, list[int]]:

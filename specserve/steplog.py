@@ -25,6 +25,8 @@ one object:
     bias            with curve: the factor each depth's prediction was corrected by for the
                     decision (its measured over predicted goodput, shrunk toward 1 or toward
                     what the depths share; the controller's module docstring, "Bias")
+    tokens          with curve: the expected tokens per sequence of each depth's best plan
+                    (so the predicted step time is decode x tokens / curve)
     stop, drafted   with early stop ([spec] early_stop): the path probability below which
                     the step's chains stopped growing, and the tree nodes verified over all
                     sequences (below depth x decode where chains stopped early)

@@ -74,6 +74,11 @@ def test_every_step_is_logged_and_accounts_for_prompts_and_outputs(target, tmp_p
         assert curves and all(len(c) == 5 for c in curves)
         # The plan that ran after a fresh evaluation is one the curve priced.
         assert all(s["curve"][s["depth"]] is not None for s in steps if "curve" in s)
+        # With each curve the tokens a sequence each depth was expected to commit: more the deeper.
+        for s in steps:
+            if "curve" in s:
+                tokens = [e for e in s["tokens"] if e is not None]
+                assert len(s["tokens"]) == 5 and tokens[0] == 1.0 and tokens == sorted(tokens)
 
 
 def test_a_step_log_that_cannot_be_written_fails_before_loading(tmp_path):

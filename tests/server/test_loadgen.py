@@ -663,12 +663,14 @@ def test_step_report_curves_put_measured_depths_beside_the_prediction(tmp_path):
     best (mean over its fresh evaluations), and where it ran."""
     from benchmarks import step_report
 
-    def step(t, depth, decode, emitted, step_s, prefill=0, curve=None, bias=None, predicted=None):
+    def step(t, depth, decode, emitted, step_s, prefill=0, curve=None, bias=None, predicted=None, tokens=None):
         s = {"t": t, "depth": depth, "nodes": depth, "decode": decode, "prefill_seqs": 1 if prefill else 0,
              "prefill_tokens": prefill, "emitted": emitted, "draft_s": 0.0, "verify_s": 0.5 * step_s,
              "step_s": step_s}
         if curve is not None:
             s.update(predicted=curve[depth], curve=curve)
+        if tokens is not None:
+            s["tokens"] = tokens
         if bias is not None:
             s["bias"] = bias
         if predicted is not None:
@@ -679,7 +681,7 @@ def test_step_report_curves_put_measured_depths_beside_the_prediction(tmp_path):
         "none": [step(1, 0, 4, 4, 0.01), step(2, 0, 4, 4, 0.01)],                      # 400 tok/s
         "static2": [step(1, 2, 4, 12, 0.02), step(2, 2, 2, 6, 0.001),                  # 600; B=2 < 3: left out
                     step(3, 2, 4, 12, 0.5, prefill=100)],                              # a mixed step: left out
-        "adaptive": [step(1, 2, 4, 12, 0.03, curve=[100.0, 200.0, 400.0]),          # 400 tok/s as predicted
+        "adaptive": [step(1, 2, 4, 12, 0.03, curve=[100.0, 200.0, 400.0], tokens=[1.0, 2.0, 3.0]),  # 400 tok/s as predicted
                      step(2, 1, 4, 8, 0.01, curve=[100.0, 400.0, 200.0], bias=[1.0, 0.5, 1.0]),
                      step(3, 1, 4, 8, 0.01, predicted=1000.0)],                        # 800 of 1000 promised
     }
@@ -697,11 +699,18 @@ def test_step_report_curves_put_measured_depths_beside_the_prediction(tmp_path):
     assert c["corrected"] == pytest.approx({0: 0.5, 1: 1.0, 2: 1.0})
     # Depth 1: 16 tokens emitted where 400 x 0.01 + 1000 x 0.01 = 14 were promised.
     assert c["own"] == pytest.approx({1: 16 / 14, 2: 1.0})
+    # The fixed settings' step time and tokens a sequence, beside the prediction (from the one
+    # evaluation that logged its tokens: 4 sequences x 2 tokens / 200 tok/s = 40 ms at depth 1).
+    assert c["step_ms"] == pytest.approx({0: 10.0, 2: 20.0}) and c["tokens"] == pytest.approx({0: 1.0, 2: 3.0})
+    assert c["pred_ms"] == pytest.approx({0: 40.0, 1: 40.0, 2: 30.0})
+    assert c["pred_tokens"] == pytest.approx({0: 1.0, 1: 2.0, 2: 3.0})
     table = step_report.curves_markdown({4: c})
     assert "| fixed setting, tok/s | 400 |  | 600 |" in table
     assert "| adaptive time share |  | 40% | 60% |" in table
     assert "| adaptive corrected, / its best | 0.50 | 1.00 | 1.00 |" in table
     assert "| adaptive steps, measured / predicted |  | 1.14 | 1.00 |" in table
+    assert "| fixed setting, ms a step | 10.0 |  | 20.0 |" in table
+    assert "| adaptive predicted, ms a step | 40.0 | 40.0 | 30.0 |" in table
     png = step_report.plot_curves({4: c}, tmp_path / "curves.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
