@@ -335,6 +335,15 @@ def tree_expected_accepted(path_probs: Sequence[float]) -> float:
     return 1.0 + float(sum(path_probs))
 
 
+def _best_per_depth(scores: dict[Plan, tuple[float, float]]) -> dict[int, tuple[float, float]]:
+    """depth -> (predicted goodput, expected tokens per sequence) of its best plan."""
+    best: dict[int, tuple[float, float]] = {}
+    for p, (g, e) in scores.items():
+        if p.depth not in best or g > best[p.depth][0]:
+            best[p.depth] = (g, e)
+    return best
+
+
 def _bucket(x: int) -> int:
     """Smallest power of two >= x (x >= 1)."""
     return 1 << max(0, int(x) - 1).bit_length()
@@ -1363,14 +1372,11 @@ class AdaptiveController:
         ties: the nearer, then the shallower), a neighbour's time since counted double. With
         only the neighbours in reach that is one level up, one down, in turn."""
         b = _bucket(batch_size)
-        factors = self._factors
-        best_at: dict[int, float] = {}
-        for p, (g, _) in scores.items():
-            best_at[p.depth] = max(best_at.get(p.depth, 0.0), g * factors[p.depth])
-        top = max(best_at.values(), default=0.0)
-        floor = top * (1.0 - self.explore_margin)
-        candidates = [d for d in range(1, deepest + 1) if d != cur.depth
-                      and (abs(d - cur.depth) == 1 or (self.explore_margin > 0 and best_at.get(d, 0.0) >= floor))]
+        best_at = {d: g * self._factors[d] for d, (g, _) in _best_per_depth(scores).items()}
+        floor = max(best_at.values(), default=0.0) * (1.0 - self.explore_margin)
+        in_margin = {d for d, g in best_at.items() if self.explore_margin > 0 and g >= floor}
+        candidates = [d for d in range(1, deepest + 1)
+                      if d != cur.depth and (abs(d - cur.depth) == 1 or d in in_margin)]
         if not candidates:
             return None
         clock = self._bucket_steps.get(b, 0)
@@ -1419,10 +1425,8 @@ class AdaptiveController:
         for the step log; None when the plan reused an earlier evaluation."""
         if self.mode != "adaptive" or self._scores is None or self._since_evaluated != 0:
             return None
-        best: list[float | None] = [None] * (self.max_depth + 1)
-        for p, (g, _) in self._scores.items():
-            best[p.depth] = max(best[p.depth] or 0.0, g)
-        return best
+        best = _best_per_depth(self._scores)
+        return [best[d][0] if d in best else None for d in range(self.max_depth + 1)]
 
     def fresh_tokens(self) -> list[float | None] | None:
         """With fresh_curve: the expected tokens per sequence of each depth's best plan (with
@@ -1430,11 +1434,8 @@ class AdaptiveController:
         both against what the fixed depths measured)."""
         if self.mode != "adaptive" or self._scores is None or self._since_evaluated != 0:
             return None
-        best: list[tuple[float, float] | None] = [None] * (self.max_depth + 1)
-        for p, (g, e) in self._scores.items():
-            if best[p.depth] is None or g > best[p.depth][0]:
-                best[p.depth] = (g, e)
-        return [None if b is None else b[1] for b in best]
+        best = _best_per_depth(self._scores)
+        return [best[d][1] if d in best else None for d in range(self.max_depth + 1)]
 
     def fresh_bias(self) -> list[float] | None:
         """With fresh_curve: the bias factor of each depth that decision read (see "Bias")."""
