@@ -114,8 +114,8 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
     concurrency decoding count (a cell's ramp and tail say little about the depth).
 
     measured[d]   tokens/s of such steps of the setting that ran depth d throughout (none: 0)
-    predicted[d]  the mean over the adaptive controller's fresh evaluations at such steps of
-                  its predicted goodput at depth d relative to its best depth then
+    predicted[d]  the mean over the adaptive steps of the predicted goodput at depth d relative
+                  to the best depth, as read by the evaluation the step's plan came from
     share[d]      the share of the adaptive cells' decode-only step time at depth d
     corrected[d]  as predicted, for the curve the decision read (each depth times its bias
                   factor; only evaluations that logged them)
@@ -125,8 +125,8 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
     step_ms[d], tokens[d]
                   the fixed setting's mean step time and tokens a sequence a step at depth d
     pred_ms[d], pred_tokens[d]
-                  what the adaptive controller's fresh evaluations predicted for depth d at
-                  their batch (logs with "tokens"): where the two part, the cost model or the
+                  what the adaptive controller predicted for depth d at the batch of its
+                  steps (logs with "tokens"): where the two part, the cost model or the
                   acceptance model is wrong about that depth
     """
     acc: dict[int, dict] = defaultdict(lambda: {"tok": defaultdict(float), "sec": defaultdict(float),
@@ -141,7 +141,10 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
     for setting, conc, _res, steps in cells:
         a = acc[conc]
         fixed = 0 if setting == "none" else (int(setting[6:]) if re.fullmatch(r"static\d+", setting) else None)
+        latest = None   # the fresh evaluation the plan in use came from
         for s in steps:
+            if s.get("curve"):
+                latest = s
             if s["prefill_seqs"] or s["decode"] < full * conc:
                 continue
             if fixed is not None and s["depth"] == fixed:
@@ -154,21 +157,25 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
                 if s.get("predicted"):
                     a["own_tok"][s["depth"]] += s["emitted"]
                     a["own_pred"][s["depth"]] += s["predicted"] * s["step_s"]
-                curve = s.get("curve")
+                # Each step reads the evaluation its plan came from, so that every step weighs
+                # once: evaluations are not spread evenly (near a request's end its depth cap
+                # changes every step, and each step is evaluated afresh, at capped depths).
+                ev = s if s.get("curve") else latest
+                curve = ev.get("curve") if ev is not None else None
                 if curve and max((g for g in curve if g is not None), default=0) > 0:
                     top = max(g for g in curve if g is not None)
                     for d, g in enumerate(curve):
                         if g is not None:
                             a["pred"][d] += g / top
                     a["evals"] += 1
-                    tokens = s.get("tokens")
+                    tokens = ev.get("tokens")
                     if tokens and len(tokens) == len(curve):
                         for d, (g, e) in enumerate(zip(curve, tokens)):
                             if g and e is not None:
                                 a["pred_ms"][d] += 1e3 * s["decode"] * e / g
                                 a["pred_tok"][d] += e
                                 a["tok_evals"][d] += 1
-                    bias = s.get("bias")
+                    bias = ev.get("bias")
                     if bias and len(bias) == len(curve):
                         corr = [None if g is None else g * f for g, f in zip(curve, bias)]
                         top = max(g for g in corr if g is not None)
@@ -206,7 +213,7 @@ def curves_markdown(cs: dict[int, dict]) -> str:
             continue
         top = max(m.values(), default=0.0)
         lines += [f"\n{conc} requests (decode-only steps with >= {0.75 * conc:g} decoding; "
-                  f"{c['evaluations']} adaptive evaluations)\n",
+                  f"{c['evaluations']} adaptive steps read)\n",
                   "| depth | " + " | ".join(str(d) for d in depths) + " |",
                   "|---|" + "---:|" * len(depths),
                   "| fixed setting, tok/s | " + " | ".join(f"{m[d]:.0f}" if d in m else "" for d in depths) + " |",

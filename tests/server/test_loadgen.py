@@ -660,7 +660,8 @@ def test_step_report_reads_the_shared_servers_log_of_a_one_process_sweep(tmp_pat
 def test_step_report_curves_put_measured_depths_beside_the_prediction(tmp_path):
     """step_report --curves: per concurrency, the fixed settings' tokens/s over full-batch
     decode-only steps by depth, the adaptive controller's predicted curve relative to its
-    best (mean over its fresh evaluations), and where it ran."""
+    best (mean over its steps, each read by the evaluation its plan came from), and where it
+    ran."""
     from benchmarks import step_report
 
     def step(t, depth, decode, emitted, step_s, prefill=0, curve=None, bias=None, predicted=None, tokens=None):
@@ -692,9 +693,11 @@ def test_step_report_curves_put_measured_depths_beside_the_prediction(tmp_path):
         (tmp_path / f"steps_{setting}_round0.jsonl").write_text("\n".join(json.dumps(s) for s in steps))
     c = step_report.curves(step_report.cells_of(tmp_path))[4]
     assert c["measured"] == pytest.approx({0: 400.0, 2: 600.0})
-    assert c["predicted"] == pytest.approx({0: 0.25, 1: 0.75, 2: 0.75})
+    # Every adaptive step weighs once, read by the evaluation its plan came from: the third
+    # step (no curve of its own) reads the second's.
+    assert c["predicted"] == pytest.approx({0: 0.25, 1: 2.5 / 3, 2: 2 / 3})
     assert c["share"] == pytest.approx({1: 0.4, 2: 0.6})
-    assert c["evaluations"] == 2
+    assert c["evaluations"] == 3
     # The decision's curve where it logged its factors: 100, 200, 200 -> / 200.
     assert c["corrected"] == pytest.approx({0: 0.5, 1: 1.0, 2: 1.0})
     # Depth 1: 16 tokens emitted where 400 x 0.01 + 1000 x 0.01 = 14 were promised.
