@@ -160,8 +160,8 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
                 # Each step reads the evaluation its plan came from, so that every step weighs
                 # once: evaluations are not spread evenly (near a request's end its depth cap
                 # changes every step, and each step is evaluated afresh, at capped depths).
-                ev = s if s.get("curve") else latest
-                curve = ev.get("curve") if ev is not None else None
+                ev = latest
+                curve = ev["curve"] if ev is not None else None
                 if curve and max((g for g in curve if g is not None), default=0) > 0:
                     top = max(g for g in curve if g is not None)
                     for d, g in enumerate(curve):
