@@ -21,6 +21,11 @@ cells the sweep switches it with ``POST /admin/speculation`` (a static setting d
 controller, which neither plans nor learns until switched back). A process keeps a pace of its
 own, and with a process per setting that pace is in every comparison between settings; in one
 process it cancels. ``none`` (no draft at all) and the variants keep servers of their own.
+
+``--knobs NAME:key=value[,key=value]`` (with ``--one-process``) adds a setting NAME served by
+that same process: a copy of its adaptive controller with those AdaptiveController arguments
+changed (benchmarks/serve_knobs.py), to compare controller settings without the pace of two
+processes in the comparison.
 """
 
 from __future__ import annotations
@@ -59,6 +64,16 @@ def variant_command(cmd: str, tree: Path) -> str:
     return f"{shlex.quote(sys.executable)} -m benchmarks.serve_tree {shlex.quote(str(tree))} {rest}"
 
 
+def knobs_command(cmd: str, knobs: list[str]) -> str:
+    """The server command `cmd` (which must start with `specserve`) run with the knob settings
+    `knobs` (benchmarks.serve_knobs)."""
+    head, _, rest = cmd.strip().partition(" ")
+    if head != "specserve":
+        raise SystemExit(f"sweep: --knobs needs a --server-cmd that starts with 'specserve', got {cmd!r}")
+    flags = " ".join(f"--knobs {shlex.quote(k)}" for k in knobs)
+    return f"{shlex.quote(sys.executable)} -m benchmarks.serve_knobs {flags} {rest}"
+
+
 def export_revision(rev: str, dest: Path) -> Path:
     """The files of git revision `rev` of this repository, written to `dest` (replaced)."""
     repo = Path(__file__).resolve().parents[1]
@@ -78,8 +93,12 @@ def export_revision(rev: str, dest: Path) -> Path:
 
 
 def switch_setting(base_url: str, setting: str) -> dict:
-    """POST /admin/speculation on a server started with --admin-api: 'adaptive' or 'staticN'."""
-    body = {"mode": "adaptive"} if setting == "adaptive" else {"mode": "static", "depth": int(setting[6:])}
+    """POST /admin/speculation on a server started with --admin-api: 'staticN', or 'adaptive' or
+    a knob setting's name (served by benchmarks.serve_knobs)."""
+    if setting.startswith("static") and setting[6:].isdigit():
+        body = {"mode": "static", "depth": int(setting[6:])}
+    else:
+        body = {"mode": setting}
     req = urllib.request.Request(base_url + "/admin/speculation", data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     try:
@@ -106,12 +125,16 @@ def wait_healthy(base_url: str, proc: subprocess.Popen | None, timeout: float) -
 
 
 def start_server(template: str, config: str, port: int, overrides: str, log_path: Path,
-                 cpus: str | None = None, tree: Path | None = None) -> subprocess.Popen:
+                 cpus: str | None = None, tree: Path | None = None,
+                 knobs: list[str] | None = None) -> subprocess.Popen:
     """cpus: run the server (every thread it starts) on these CPUs only (taskset syntax).
-    tree: run the template's `specserve` command from this source tree (serve_tree)."""
+    tree: run the template's `specserve` command from this source tree (serve_tree).
+    knobs: serve these knob settings beside adaptive (serve_knobs)."""
     cmd = template.format(config=config, port=port, overrides=overrides)
     if tree is not None:
         cmd = variant_command(cmd, tree)
+    elif knobs:
+        cmd = knobs_command(cmd, knobs)
     allowed = loadgen.parse_cpus(cpus) if cpus else None   # a bad list fails here, not in the child
     log = open(log_path, "w")
     # Own process group, so stopping it stops its children and nothing else. The affinity is
@@ -178,6 +201,10 @@ def main(argv=None):
     p.add_argument("--variant", nargs=2, action="append", default=[], metavar=("NAME", "REV"),
                    help="also run setting NAME: the adaptive controller of git revision REV (exported to "
                         "OUT/trees/NAME); repeatable. Compares two versions inside one sweep")
+    p.add_argument("--knobs", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                   help="with --one-process: also run setting NAME, the shared process's adaptive controller "
+                        "with these AdaptiveController arguments changed (benchmarks/serve_knobs.py); "
+                        "repeatable")
     p.add_argument("--concurrency", nargs="*", type=int, default=list(CONCURRENCIES))
     p.add_argument("--prompts-per-concurrency", type=int, default=4,
                    help="num prompts = max(--min-prompts, this x concurrency) unless --num-prompts is passed after --")
@@ -222,16 +249,21 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     running = dict(s.split("=", 1) for s in args.base_url)
     variants = dict(args.variant)
-    for name in variants:
+    knobs = {k.partition(":")[0]: k for k in args.knobs}
+    if knobs and not args.one_process:
+        p.error("--knobs needs --one-process (the knob settings are controllers inside the shared process)")
+    for name in [*variants, *knobs]:
         if (name in SETTINGS or name == SHARED or not name.replace("_", "").replace("-", "").isalnum()
                 or name.startswith("static")):
-            p.error(f"--variant name {name!r} must be a word of its own (not a setting, not static..., not "
+            p.error(f"--variant or --knobs name {name!r} must be a word of its own (not a setting, not static..., not "
                     f"{SHARED!r})")
+    if len(variants) + len(knobs) != len({*variants, *knobs}) or len(knobs) != len(args.knobs):
+        p.error("each --variant and --knobs name must be different")
     settings = list(running) if running else list(dict.fromkeys(
-        args.settings + [v for v in variants if "--settings" not in argv]))
-    unknown = [s for s in settings if s not in SETTINGS and s not in variants and s not in running]
+        args.settings + [v for v in [*variants, *knobs] if "--settings" not in argv]))
+    unknown = [s for s in settings if s not in SETTINGS and s not in variants and s not in knobs and s not in running]
     if unknown:
-        p.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join([*SETTINGS, *variants])}")
+        p.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join([*SETTINGS, *variants, *knobs])}")
     trees = {name: export_revision(rev, out / "trees" / name) for name, rev in variants.items() if name in settings}
     if args.one_process and not args.interleave:
         p.error("--one-process needs --interleave (one server serves several settings in turn)")
@@ -239,7 +271,8 @@ def main(argv=None):
         p.error("--one-process starts its servers itself; it does not take --base-url")
     # The settings one shared server switches between (--one-process), and the server each
     # setting is served by: its own name, or SHARED.
-    shared = [s for s in settings if s == "adaptive" or s.startswith("static")] if args.one_process else []
+    shared = ([s for s in settings if s == "adaptive" or s.startswith("static") or s in knobs]
+              if args.one_process else [])
     server_of = {s: (SHARED if s in shared else s) for s in settings}
 
     def overrides(setting: str, suffix: str = "") -> str:
@@ -302,7 +335,8 @@ def main(argv=None):
                     bases[server] = f"http://127.0.0.1:{port}"
                     procs.append(start_server(args.server_cmd, args.config, port, overrides(server, suffix),
                                               out / f"server_{server}{suffix}.log", args.server_cpus,
-                                              trees.get(server)))
+                                              trees.get(server),
+                                              [knobs[s] for s in settings if s in knobs] if server == SHARED else None))
                     wait_healthy(bases[server], procs[-1], args.startup_timeout)
             for server in servers:
                 wait_healthy(bases[server], None, args.startup_timeout)

@@ -169,3 +169,56 @@ def test_nothing_to_switch_without_a_draft(server_target):
         assert status == 400 and "no draft" in err["error"]["message"]
     finally:
         srv.stop()
+
+
+def test_knob_controllers_take_turns_with_adaptive_in_one_server(admin_server, reference, monkeypatch):
+    """benchmarks.serve_knobs: a knob setting is a copy of the start-up controller with some
+    arguments changed, switched to by name like adaptive; it plans and learns only while it
+    is attached, the output stays exact, and a bad knob is refused before the server starts."""
+    from benchmarks import serve_knobs
+    from specserve.spec import Speculator
+
+    for name in ("set_setting", "setting", "forget"):   # install() patches the class: undone after
+        monkeypatch.setattr(Speculator, name, getattr(Speculator, name))
+    knobs = serve_knobs.parse_knobs(["calm:explore_interval=16,explore_margin=0.05",
+                                     "nobias:bias_half_life=0,bias_limits=(0.5, 2.0)"])
+    assert knobs == {"calm": {"explore_interval": 16, "explore_margin": 0.05},
+                     "nobias": {"bias_half_life": 0, "bias_limits": (0.5, 2.0)}}
+    serve_knobs.install(knobs)
+    srv, start = admin_server, admin_server.engine.spec.adaptive
+    client = srv.client()
+    model = client.models.list().data[0].id
+    client.completions.create(model=model, prompt="Once upon a time", max_tokens=20, temperature=0)
+    learned = list(start.acceptance)
+
+    assert _post(srv, {"mode": "calm"}) == (200, {"mode": "calm"})
+    assert _get(srv) == (200, {"mode": "calm"})
+    calm = srv.engine.spec.controller
+    assert calm is not start and calm.explore_interval == 16 and calm.explore_margin == 0.05
+    # Everything else as the start-up controller had it when first switched to: its
+    # calibration and what it had learned, in a copy of its own.
+    assert calm.acceptance == learned and calm.costs is not start.costs
+    assert calm.switch_margin == start.switch_margin and calm.bias_decay == start.bias_decay
+    assert start.explore_interval == 8
+    before = sum(start.depth_histogram.values())
+    text = client.completions.create(model=model, prompt="The quick brown", max_tokens=40, temperature=0)
+    assert text.choices[0].text == reference["The quick brown"]
+    assert sum(calm.depth_histogram.values()) > before and sum(start.depth_histogram.values()) == before
+    assert calm._requests == {}   # the finished request was forgotten by the controller that served it
+
+    assert _post(srv, {"mode": "nobias"}) == (200, {"mode": "nobias"})
+    nobias = srv.engine.spec.controller
+    assert nobias.bias_decay is None and nobias.bias_limits == (0.5, 2.0) and nobias.explore_interval == 8
+    assert _post(srv, {"mode": "calm"}) == (200, {"mode": "calm"}) and srv.engine.spec.controller is calm
+    assert _post(srv, {"mode": "calm", "depth": 3})[0] == 400
+    assert _post(srv, {"mode": "static", "depth": 2}) == (200, {"mode": "static", "depth": 2})
+    assert _post(srv, {"mode": "adaptive"}) == (200, {"mode": "adaptive"})
+    assert srv.engine.spec.controller is start
+
+    for bad, words in (("calm", "expected NAME:key=value"), ("x:explore_intervall=3", "not an AdaptiveController"),
+                       ("x:max_depth=4", "sizes the controller"), ("adaptive:explore_interval=3", "new word"),
+                       ("x:explore_interval=fast", "not a Python literal")):
+        with pytest.raises(SystemExit, match=words):
+            serve_knobs.parse_knobs([bad])
+    with pytest.raises(ValueError, match="bias_half_life"):
+        serve_knobs.knob_controller(start, {"bias_half_life": -1})

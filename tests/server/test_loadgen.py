@@ -796,3 +796,44 @@ def test_sweep_variant_runs_another_revision_beside_adaptive(tmp_path, monkeypat
     assert any(line.startswith("| old | ") for line in text.splitlines())
     with pytest.raises(SystemExit):
         sweep.main(["--model", "m", "--variant", "static7", "HEAD", "--out-dir", str(out)])
+
+
+def test_sweep_knobs_are_settings_of_the_shared_process(tmp_path, monkeypatch):
+    """--knobs NAME:k=v (with --one-process): the shared server runs through
+    benchmarks.serve_knobs with every knob setting, each switched to by its name."""
+    import sys
+
+    from benchmarks import sweep
+
+    assert sweep.knobs_command("specserve serve --port 1", ["calm:explore_interval=16", "b:bias_limits=(0.5, 2.0)"]) \
+        == (f"{sys.executable} -m benchmarks.serve_knobs --knobs calm:explore_interval=16 "
+            "--knobs 'b:bias_limits=(0.5, 2.0)' serve --port 1")
+    with pytest.raises(SystemExit, match="starts with 'specserve'"):
+        sweep.knobs_command("python fake.py 1", ["calm:explore_interval=16"])
+    for flags, words in ((["--knobs", "calm:explore_interval=16"], "needs --one-process"),
+                         (["--one-process", "--interleave", "--knobs", "static9:explore_interval=16"], "word of its own"),
+                         (["--one-process", "--interleave", "--knobs", "a:explore_interval=16",
+                           "--knobs", "a:explore_margin=0"], "must be different")):
+        with pytest.raises(SystemExit):
+            sweep.main(["--model", "m", *flags, "--out-dir", str(tmp_path / "x")])
+
+    started, switched = [], []
+    monkeypatch.setattr(sweep, "start_server", lambda *a, **k: started.append((a, k)) or _FakeProc())
+    monkeypatch.setattr(sweep, "wait_healthy", lambda *a, **k: None)
+    monkeypatch.setattr(sweep, "stop_server", lambda proc: None)
+    monkeypatch.setattr(sweep, "switch_setting", lambda base, setting: switched.append(setting))
+    monkeypatch.setattr(sweep, "markdown_table", lambda results: "")
+    monkeypatch.setattr(sweep.loadgen, "main", lambda argv: {"label": argv[argv.index("--label") + 1]})
+    monkeypatch.setattr(sweep.plots, "make_all", lambda results, dest: [])
+    sweep.main(["--model", "m", "--one-process", "--interleave", "--knobs", "calm:explore_interval=16",
+                "--settings", "adaptive", "calm", "static2", "--concurrency", "1", "--warmup-requests", "0",
+                "--out-dir", str(tmp_path / "out")])
+    assert len(started) == 1   # one process serves all three
+    args, kwargs = started[0]
+    assert "--admin-api" in args[3] and args[7] == ["calm:explore_interval=16"]
+    assert sorted(switched[1:]) == ["adaptive", "calm", "static2"]
+
+
+class _FakeProc:
+    def poll(self):
+        return None
