@@ -132,8 +132,9 @@ def install(knobs: dict[str, dict[str, object]], cls: type | None = None) -> Non
 
     def set_setting(self, mode, depth=None):
         if mode not in knobs:
+            setting = plain_set(self, mode, depth)   # a refused setting changes nothing
             self._knob_name = None
-            return plain_set(self, mode, depth)
+            return setting
         if depth is not None:
             raise spec_mod.InvalidRequestError(f"'depth' is only for mode 'static' ({mode!r} is an adaptive "
                                                "controller)", param="depth")

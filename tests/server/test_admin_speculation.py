@@ -211,6 +211,8 @@ def test_knob_controllers_take_turns_with_adaptive_in_one_server(admin_server, r
     assert nobias.bias_decay is None and nobias.bias_limits == (0.5, 2.0) and nobias.explore_interval == 8
     assert _post(srv, {"mode": "calm"}) == (200, {"mode": "calm"}) and srv.engine.spec.controller is calm
     assert _post(srv, {"mode": "calm", "depth": 3})[0] == 400
+    assert _post(srv, {"mode": "static", "depth": 99})[0] == 400
+    assert _get(srv) == (200, {"mode": "calm"}) and srv.engine.spec.controller is calm
     assert _post(srv, {"mode": "static", "depth": 2}) == (200, {"mode": "static", "depth": 2})
     assert _post(srv, {"mode": "adaptive"}) == (200, {"mode": "adaptive"})
     assert srv.engine.spec.controller is start
