@@ -336,7 +336,7 @@ def main(argv=None):
                     procs.append(start_server(args.server_cmd, args.config, port, overrides(server, suffix),
                                               out / f"server_{server}{suffix}.log", args.server_cpus,
                                               trees.get(server),
-                                              [knobs[s] for s in settings if s in knobs] if server == SHARED else None))
+                                              knobs=[knobs[s] for s in settings if s in knobs] if server == SHARED else None))
                     wait_healthy(bases[server], procs[-1], args.startup_timeout)
             for server in servers:
                 wait_healthy(bases[server], None, args.startup_timeout)

@@ -780,7 +780,8 @@ def test_sweep_variant_runs_another_revision_beside_adaptive(tmp_path, monkeypat
     started = []
     real_start = sweep.start_server
 
-    def start(template, config, port, overrides, log_path, cpus=None, tree=None):
+    def start(template, config, port, overrides, log_path, cpus=None, tree=None, knobs=None):
+        assert not knobs   # no --knobs given
         started.append((overrides, tree))
         return real_start(f"{sys.executable} {script} {{port}} {{overrides}}", config, port, overrides, log_path)
     monkeypatch.setattr(sweep, "start_server", start)
@@ -830,7 +831,7 @@ def test_sweep_knobs_are_settings_of_the_shared_process(tmp_path, monkeypatch):
                 "--out-dir", str(tmp_path / "out")])
     assert len(started) == 1   # one process serves all three
     args, kwargs = started[0]
-    assert "--admin-api" in args[3] and args[7] == ["calm:explore_interval=16"]
+    assert "--admin-api" in args[3] and kwargs["knobs"] == ["calm:explore_interval=16"]
     assert sorted(switched[1:]) == ["adaptive", "calm", "static2"]
 
 
