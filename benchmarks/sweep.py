@@ -56,22 +56,24 @@ SETTINGS = {
 }
 
 
-def variant_command(cmd: str, tree: Path) -> str:
-    """The server command `cmd` (which must start with `specserve`) run from source tree `tree`."""
+def _through(cmd: str, option: str, launcher: str) -> str:
+    """The server command `cmd`, which must start with `specserve`, run by `python -m launcher`
+    (a module that takes its own arguments, then specserve's)."""
     head, _, rest = cmd.strip().partition(" ")
     if head != "specserve":
-        raise SystemExit(f"sweep: --variant needs a --server-cmd that starts with 'specserve', got {cmd!r}")
-    return f"{shlex.quote(sys.executable)} -m benchmarks.serve_tree {shlex.quote(str(tree))} {rest}"
+        raise SystemExit(f"sweep: {option} needs a --server-cmd that starts with 'specserve', got {cmd!r}")
+    return f"{shlex.quote(sys.executable)} -m {launcher} {rest}"
+
+
+def variant_command(cmd: str, tree: Path) -> str:
+    """The server command `cmd` run from source tree `tree` (benchmarks.serve_tree)."""
+    return _through(cmd, "--variant", f"benchmarks.serve_tree {shlex.quote(str(tree))}")
 
 
 def knobs_command(cmd: str, knobs: list[str]) -> str:
-    """The server command `cmd` (which must start with `specserve`) run with the knob settings
-    `knobs` (benchmarks.serve_knobs)."""
-    head, _, rest = cmd.strip().partition(" ")
-    if head != "specserve":
-        raise SystemExit(f"sweep: --knobs needs a --server-cmd that starts with 'specserve', got {cmd!r}")
+    """The server command `cmd` run with the knob settings `knobs` (benchmarks.serve_knobs)."""
     flags = " ".join(f"--knobs {shlex.quote(k)}" for k in knobs)
-    return f"{shlex.quote(sys.executable)} -m benchmarks.serve_knobs {flags} {rest}"
+    return _through(cmd, "--knobs", f"benchmarks.serve_knobs {flags}")
 
 
 def export_revision(rev: str, dest: Path) -> Path:
