@@ -657,6 +657,37 @@ def test_step_report_reads_the_shared_servers_log_of_a_one_process_sweep(tmp_pat
     assert rows[("static3", 2)]["steps"] == rows[("adaptive", 2)]["steps"] == 2
 
 
+def test_step_report_depth_costs_compare_one_depth_across_settings(tmp_path):
+    """--depth-costs: per concurrency, setting and depth, the decode-only steps near the full
+    batch that follow a step at the same depth (a switch's first step and prefills left out)."""
+    from benchmarks import step_report
+
+    rd = tmp_path / "round0"
+    rd.mkdir()
+    lines = []
+    for i, (setting, depths, step_s) in enumerate((("static3", [3, 3, 3], 0.020), ("adaptive", [5, 3, 3, 3], 0.030))):
+        t0 = 100.0 * (i + 1)
+        (rd / f"{setting}_c4.json").write_text(json.dumps(
+            {"started_at": t0, "finished_at": t0 + 10, "metrics": {"output_throughput": 50.0}}))
+        lines += [{"t": t0 + k, "depth": d, "nodes": d, "decode": 4, "prefill_seqs": 0, "prefill_tokens": 0,
+                   "emitted": 4 * (d + 1), "draft_s": 0.005, "verify_s": 0.012, "step_s": step_s}
+                  for k, d in enumerate(depths, start=1)]
+        # a step that also prefills, and a small batch: neither counts
+        lines += [{"t": t0 + 8, "depth": 3, "nodes": 3, "decode": 4, "prefill_seqs": 1, "prefill_tokens": 30,
+                   "emitted": 16, "draft_s": 0.1, "verify_s": 0.1, "step_s": 0.5},
+                  {"t": t0 + 9, "depth": 3, "nodes": 3, "decode": 1, "prefill_seqs": 0, "prefill_tokens": 0,
+                   "emitted": 4, "draft_s": 0.1, "verify_s": 0.1, "step_s": 0.5}]
+    (tmp_path / "steps_shared_round0.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    dc = step_report.depth_costs(step_report.cells_of(tmp_path))
+    assert set(dc[4]) == {("static3", 3), ("adaptive", 3)}   # depth 5 ran once, after nothing alike
+    assert dc[4][("static3", 3)]["steps"] == 2 and dc[4][("adaptive", 3)]["steps"] == 2
+    assert dc[4][("adaptive", 3)]["step_ms"] == pytest.approx(30.0) and dc[4][("static3", 3)]["step_ms"] == pytest.approx(20.0)
+    assert dc[4][("adaptive", 3)]["rest_ms"] == pytest.approx(13.0) and dc[4][("static3", 3)]["tok_per_seq"] == 4.0
+    table = step_report.depth_costs_markdown(dc)
+    assert "| 3 | adaptive | 2 | 4.0 | 30.0 | 5.0 | 12.0 | 13.0 | 4.00 |" in table
+    assert "| 3 | static3 | 2 | 4.0 | 20.0 |" in table
+
+
 def test_step_report_curves_put_measured_depths_beside_the_prediction(tmp_path):
     """step_report --curves: per concurrency, the fixed settings' tokens/s over full-batch
     decode-only steps by depth, the adaptive controller's predicted curve relative to its
