@@ -285,21 +285,21 @@ def depth_costs(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.
     mean batch, step, draft and verify ms, the rest, and tokens per sequence. The same depth at
     the same batch should cost the same whichever setting ran it; where adaptive's steps at a
     depth cost more than the fixed setting's, the model it learns from reads that depth dear
-    (s22b at 8 requests: depth 3 at 28.8 ms against static depth 3's 23.7)."""
+    (s22b at 8 requests: depth 3 at 28.0 ms against static depth 3's 23.7)."""
     sums: dict[int, dict[tuple[str, int], list[float]]] = {}
     for setting, conc, _, steps in cells:
         prev = None
         for s in steps:
             decode_only = not s.get("prefill_seqs")
             if decode_only and s["decode"] >= max(1.0, full * conc) and s["depth"] == prev and s["step_s"] > 0:
-                acc = sums.setdefault(conc, {}).setdefault((setting, s["depth"]), [0.0] * 7)
+                acc = sums.setdefault(conc, {}).setdefault((setting, s["depth"]), [0.0] * 6)
                 for i, x in enumerate((1, s["decode"], s["step_s"], s["draft_s"], s["verify_s"],
-                                       s["emitted"] / s["decode"], 0.0)):
+                                       s["emitted"] / s["decode"])):
                     acc[i] += x
             prev = s["depth"] if decode_only else None
     out: dict[int, dict[tuple[str, int], dict]] = {}
     for conc, by in sums.items():
-        for key, (n, b, step, draft, verify, tok, _) in by.items():
+        for key, (n, b, step, draft, verify, tok) in by.items():
             out.setdefault(conc, {})[key] = {
                 "steps": int(n), "batch": b / n, "step_ms": 1e3 * step / n, "draft_ms": 1e3 * draft / n,
                 "verify_ms": 1e3 * verify / n, "rest_ms": 1e3 * (step - draft - verify) / n, "tok_per_seq": tok / n}
