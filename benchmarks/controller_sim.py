@@ -21,9 +21,11 @@ step's timings as the engine does. The controller is calibrated at start-up from
 costs with the draft's levels read low (bare forwards, as in the engine: `draft_standin`) and
 some noise.
 
-What it leaves out: arrivals and prefill (every step decodes the full batch), contexts
-growing, batch sizes other than B, trees. It tests the controller's reading of noisy step
-costs, not the engine.
+With ``--prefill-share`` a request that ends is followed by one whose prompt takes its slot
+for a step: that step also pays the prompt's pass (the share of a plain decode pass given)
+and is not learnt from, as in the engine, and the batch decodes one sequence fewer (a step of
+b < B sequences costs a quarter fixed, the rest in proportion). What it leaves out: contexts
+growing, trees, the engine itself. It tests the controller's reading of noisy step costs.
 """
 
 from __future__ import annotations
@@ -84,7 +86,10 @@ def environment_from_costs(batch_size: int, costs: dict[int, dict], max_depth: i
 
     draft = extend([costs[d]["draft_ms"] / 1e3 for d in depths])
     verify = extend([costs[d]["verify_ms"] / 1e3 for d in depths])
-    rest = [costs[0]["rest_ms"] / 1e3] * (max_depth + 1)   # the same for every plan
+    # The rest grows with the tokens a step emits (each one's output handling: on the dev CPU
+    # at 32 requests 1.9 ms a plain step, 2.9 at depth 6), which the controller's one overhead
+    # figure per batch size does not see.
+    rest = extend([costs[d]["rest_ms"] / 1e3 for d in depths])
     tokens = [costs[d]["tok_per_seq"] for d in depths]
     # E(d) = 1 + sum_k reach_k: reach_k = E(k) - E(k-1), and a_k = reach_k / reach_{k-1}
     # (clipped: where a depth measured more gain than the one above it, noise, a_k reads > 1).
@@ -164,7 +169,8 @@ def _logit(p: float) -> float:
 
 def run(env: Environment, setting: str, knobs: dict, seed: int, steps: int, max_tokens: int = 64,
         part_sd: float = 0.05, draft_standin: float = 0.7,
-        calibration_sd: float = 0.05, pace_sd: float = 0.11, warmup_steps: int = 50) -> dict:
+        calibration_sd: float = 0.05, pace_sd: float = 0.11, warmup_steps: int = 50,
+        prefill_share: float = 0.0) -> dict:
     """One run of `steps` engine steps. setting: "adaptive" (with `knobs` as constructor
     arguments), "none" or "staticD". Returns tokens, seconds, and the steps' depths."""
     B, max_depth = env.batch_size, env.max_depth
@@ -217,45 +223,65 @@ def run(env: Environment, setting: str, knobs: dict, seed: int, steps: int, max_
         ctrl.forget(f"w{i}")
     tokens_total = seconds_total = 0.0
     depths = []
+    pending: set[int] = set()   # slots whose new request waits for its prompt's pass
     for _ in range(steps):
-        ids = [s[0] for s in slots]
-        caps = [max(0, s[1] - 1) for s in slots]
-        plan = ctrl.plan(B, ids, depth_caps=caps)
-        d = plan.depth
+        live = [i for i in range(B) if i not in pending]
+        ids = [slots[i][0] for i in live]
+        caps = [max(0, slots[i][1] - 1) for i in live]
+        b = len(live)
         p = pace.next()
-        seq_depths = [min(d, c) for c in caps]
-        draft_s = noisy(p * env.draft[max(seq_depths)], part_sd, parts) if d else 0.0
-        rows_run = sum(sd + 1 for sd in seq_depths)
-        # Verify rows cut near the end cost in proportion to the rows that ran.
-        verify_s = noisy(p * (env.verify[0] + (env.verify[d] - env.verify[0]) * (rows_run - B) / (B * d)
-                              if d else p * env.verify[0]), part_sd, parts)
-        rest_s = noisy(p * env.rest[d], part_sd, parts)
-        accepted = []
-        for s, dd in zip(slots, seq_depths):
-            n = 0
-            while n < dd and draws.random() < s[2][n]:
-                n += 1
-            accepted.append(n)
-        emitted = [min(n + 1, s[1]) for n, s in zip(accepted, slots)]
-        cut = any(sd < d for sd in seq_depths)
-        ctrl.observe(StepStats(batch_size=B, depth=d, num_nodes=plan.num_nodes, draft_s=draft_s,
-                               verify_s=verify_s, overhead_s=rest_s, num_accepted=accepted, request_ids=ids,
-                               seq_depths=seq_depths if cut else None,
-                               num_tokens=rows_run if cut else None,
-                               draft_depth=max(seq_depths) if cut else None))
-        tokens_total += sum(emitted)
-        seconds_total += draft_s + verify_s + rest_s
+        # A step's cost at b < B decoding sequences: a quarter fixed, the rest in proportion.
+        scale = 0.25 + 0.75 * b / B
+        prefill_s = p * len(pending) * prefill_share * env.verify[0]
+        d = 0
+        draft_s = verify_s = rest_s = 0.0
+        if b:
+            plan = ctrl.plan(b, ids, depth_caps=caps)
+            d = plan.depth
+            seq_depths = [min(d, c) for c in caps]
+            draft_s = noisy(p * scale * env.draft[max(seq_depths)], part_sd, parts) if d else 0.0
+            rows_run = sum(sd + 1 for sd in seq_depths)
+            # Verify rows cut near the end cost in proportion to the rows that ran.
+            verify_s = noisy(p * scale * (env.verify[0] + (env.verify[d] - env.verify[0]) * (rows_run - b) / (b * d)
+                                          if d else env.verify[0]), part_sd, parts)
+            rest_s = noisy(p * env.rest[d], part_sd, parts)
+            accepted = []
+            for i, dd in zip(live, seq_depths):
+                n = 0
+                while n < dd and draws.random() < slots[i][2][n]:
+                    n += 1
+                accepted.append(n)
+            emitted = [min(n + 1, slots[i][1]) for n, i in zip(accepted, live)]
+            cut = any(sd < d for sd in seq_depths)
+            # A step that also runs a prompt is timed but not learnt from (spec.py: its pass
+            # mixes the prompt's rows in); its acceptance counts.
+            mixed = bool(pending)
+            ctrl.observe(StepStats(batch_size=b, depth=d, num_nodes=plan.num_nodes,
+                                   draft_s=0.0 if mixed else draft_s, verify_s=0.0 if mixed else verify_s,
+                                   overhead_s=0.0 if mixed else rest_s, num_accepted=accepted, request_ids=ids,
+                                   seq_depths=seq_depths if cut else None,
+                                   num_tokens=rows_run if cut else None,
+                                   draft_depth=max(seq_depths) if cut else None))
+            tokens_total += sum(emitted)
+            for i, e in zip(live, emitted):
+                slots[i][1] -= e
+        tokens_total += len(pending)   # a prompt's pass yields its first token
+        for i in pending:
+            slots[i][1] -= 1
+        pending = set()
+        seconds_total += draft_s + verify_s + rest_s + prefill_s
         depths.append(d)
-        for i, (s, e) in enumerate(zip(slots, emitted)):
-            s[1] -= e
-            if s[1] <= 0:
-                ctrl.forget(s[0])
+        for i in live:
+            if slots[i][1] <= 0:
+                ctrl.forget(slots[i][0])
                 slots[i] = new_request()
+                if prefill_share > 0:
+                    pending.add(i)
     return {"tokens": tokens_total, "seconds": seconds_total, "depths": depths}
 
 
 def compare(env: Environment, settings: dict[str, dict], seeds: int, steps: int, pace_sd: float = 0.11,
-            progress: str | None = None) -> dict:
+            progress: str | None = None, prefill_share: float = 0.0) -> dict:
     """Every static depth of the environment and every adaptive setting ({name: knobs}) over
     the same `seeds`. Returns {"static": {name: [tok/s per seed]}, "adaptive": {name: [...]},
     "best": the static setting of highest mean, "ratios": {name: (geometric mean of the
@@ -264,10 +290,10 @@ def compare(env: Environment, settings: dict[str, dict], seeds: int, steps: int,
     out = {"static": {s: [] for s in statics}, "adaptive": {n: [] for n in settings}, "depths": {n: {} for n in settings}}
     for seed in range(seeds):
         for name in statics:
-            r = run(env, name, {}, seed, steps, pace_sd=pace_sd)
+            r = run(env, name, {}, seed, steps, pace_sd=pace_sd, prefill_share=prefill_share)
             out["static"][name].append(r["tokens"] / r["seconds"])
         for name, knobs in settings.items():
-            r = run(env, "adaptive", knobs, seed, steps, pace_sd=pace_sd)
+            r = run(env, "adaptive", knobs, seed, steps, pace_sd=pace_sd, prefill_share=prefill_share)
             out["adaptive"][name].append(r["tokens"] / r["seconds"])
             for d in r["depths"]:
                 out["depths"][name][d] = out["depths"][name].get(d, 0) + 1
@@ -296,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--knobs", action="append", default=[], metavar="NAME:key=value[,...]",
                    help="also an adaptive setting with these AdaptiveController arguments (repeatable)")
     p.add_argument("--pace-sd", type=float, default=0.11, help="sd of the host's log pace (0: a steady host)")
+    p.add_argument("--prefill-share", type=float, default=0.0,
+                   help="each new request's prompt pass, as a share of a plain decode pass (0: no prompts; "
+                        "about 0.35 on the dev CPU)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
 
@@ -313,10 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         fixed = {depth: v for (setting, depth), v in costs.get(conc, {}).items()
                  if setting == ("none" if depth == 0 else f"static{depth}")}
         env = environment_from_costs(conc, fixed)
-        res = compare(env, settings, args.seeds, args.steps, args.pace_sd, progress=f"{conc} requests")
+        res = compare(env, settings, args.seeds, args.steps, args.pace_sd, progress=f"{conc} requests",
+                      prefill_share=args.prefill_share)
         report[conc] = res
         means = {s: sum(v) / len(v) for s, v in res["static"].items()}
-        print(f"{conc} requests ({args.seeds} seeds x {args.steps} steps, pace sd {args.pace_sd}): tok/s " +
+        print(f"{conc} requests ({args.seeds} seeds x {args.steps} steps, pace sd {args.pace_sd}, "
+              f"prefill share {args.prefill_share}): tok/s " +
               "  ".join(f"{s}={m:.0f}" for s, m in means.items()) + f"  (best {res['best']})")
         for name in settings:
             ratio, se = res["ratios"][name]

@@ -77,6 +77,25 @@ def test_on_a_steady_host_the_controller_finds_the_best_depth():
     assert res["ratios"]["restless"][0] < ratio - 0.01
 
 
+def test_prompt_steps_cost_their_pass_and_teach_the_controller_no_costs():
+    env = environment_from_costs(32, COSTS)
+    plain = run(env, "static3", {}, seed=2, steps=300, pace_sd=0.0, part_sd=0.0)
+    prompts = run(env, "static3", {}, seed=2, steps=300, pace_sd=0.0, part_sd=0.0, prefill_share=0.35)
+    # A request ends every ~20 steps per slot, so most steps carry a prompt: slower overall.
+    assert prompts["tokens"] / prompts["seconds"] < 0.97 * plain["tokens"] / plain["seconds"]
+    # The controller learns costs only from the steps without a prompt.
+    from specserve.controller import AdaptiveController
+    seen = []
+    original = AdaptiveController.observe
+    try:
+        AdaptiveController.observe = lambda self, stats: (seen.append(stats.verify_s > 0), original(self, stats))[1]
+        r = run(env, "adaptive", {}, seed=2, steps=200, pace_sd=0.0, prefill_share=0.35, warmup_steps=0)
+    finally:
+        AdaptiveController.observe = original
+    assert 0.2 * len(seen) < seen.count(False) < 0.9 * len(seen)
+    assert r["tokens"] > 0
+
+
 def _fake_sweep(root, costs, conc=8, steps=40):
     """A one-process sweep's files: each fixed setting's result file and its decode-only steps."""
     lines, t = [], 1000.0
