@@ -170,7 +170,7 @@ def _logit(p: float) -> float:
 def run(env: Environment, setting: str, knobs: dict, seed: int, steps: int, max_tokens: int = 64,
         part_sd: float = 0.05, draft_standin: float = 0.7,
         calibration_sd: float = 0.05, pace_sd: float = 0.11, warmup_steps: int = 50,
-        prefill_share: float = 0.0) -> dict:
+        prefill_share: float = 0.0, empty_steps: float = 0.0) -> dict:
     """One run of `steps` engine steps. setting: "adaptive" (with `knobs` as constructor
     arguments), "none" or "staticD". Returns tokens, seconds, and the steps' depths."""
     B, max_depth = env.batch_size, env.max_depth
@@ -186,11 +186,16 @@ def run(env: Environment, setting: str, knobs: dict, seed: int, steps: int, max_
     def noisy(x: float, sd: float, rng: random.Random) -> float:
         return x * math.exp(rng.gauss(0.0, sd))
 
+    def at(b: int) -> float:
+        """A step's cost at b decoding sequences over the same at B: a quarter fixed."""
+        return 0.25 + 0.75 * b / B
+
+    # The engine calibrates every power-of-two batch size; here B and the bucket below it.
     rows = lambda n: env.verify[min(n, max_depth)]   # noqa: E731  (n nodes per sequence)
-    ctrl.calibrate(lambda b, t: noisy(rows(t // b - 1), calibration_sd, cal),
-                   lambda b: noisy(draft_standin * env.draft[1], calibration_sd, cal),
-                   batch_sizes=[B], nodes_per_seq=range(max_depth + 1),
-                   measure_draft_total=lambda b, d: noisy(draft_standin * env.draft[d], calibration_sd, cal),
+    ctrl.calibrate(lambda b, t: noisy(at(b) * rows(t // b - 1), calibration_sd, cal),
+                   lambda b: noisy(at(b) * draft_standin * env.draft[1], calibration_sd, cal),
+                   batch_sizes=sorted({max(1, B // 2), B}), nodes_per_seq=range(max_depth + 1),
+                   measure_draft_total=lambda b, d: noisy(at(b) * draft_standin * env.draft[d], calibration_sd, cal),
                    draft_depths=range(1, max_depth + 1))
 
     next_id = 0
@@ -224,14 +229,15 @@ def run(env: Environment, setting: str, knobs: dict, seed: int, steps: int, max_
     tokens_total = seconds_total = 0.0
     depths = []
     pending: set[int] = set()   # slots whose new request waits for its prompt's pass
+    empty: dict[int, int] = {}  # slots without a request yet: steps left empty
+    gaps = random.Random(seed * 7919 + 6)
     for _ in range(steps):
-        live = [i for i in range(B) if i not in pending]
+        live = [i for i in range(B) if i not in pending and i not in empty]
         ids = [slots[i][0] for i in live]
         caps = [max(0, slots[i][1] - 1) for i in live]
         b = len(live)
         p = pace.next()
-        # A step's cost at b < B decoding sequences: a quarter fixed, the rest in proportion.
-        scale = 0.25 + 0.75 * b / B
+        scale = at(b)
         prefill_s = p * len(pending) * prefill_share * env.verify[0]
         d = 0
         draft_s = verify_s = rest_s = 0.0
@@ -269,19 +275,28 @@ def run(env: Environment, setting: str, knobs: dict, seed: int, steps: int, max_
         for i in pending:
             slots[i][1] -= 1
         pending = set()
+        for i in list(empty):
+            empty[i] -= 1
+            if empty[i] <= 0:
+                del empty[i]
+                if prefill_share > 0:
+                    pending.add(i)
         seconds_total += draft_s + verify_s + rest_s + prefill_s
         depths.append(d)
         for i in live:
             if slots[i][1] <= 0:
                 ctrl.forget(slots[i][0])
                 slots[i] = new_request()
-                if prefill_share > 0:
+                wait = gaps.randint(0, 2 * empty_steps) if empty_steps > 0 else 0
+                if wait:
+                    empty[i] = wait
+                elif prefill_share > 0:
                     pending.add(i)
     return {"tokens": tokens_total, "seconds": seconds_total, "depths": depths}
 
 
 def compare(env: Environment, settings: dict[str, dict], seeds: int, steps: int, pace_sd: float = 0.11,
-            progress: str | None = None, prefill_share: float = 0.0) -> dict:
+            progress: str | None = None, prefill_share: float = 0.0, empty_steps: float = 0.0) -> dict:
     """Every static depth of the environment and every adaptive setting ({name: knobs}) over
     the same `seeds`. Returns {"static": {name: [tok/s per seed]}, "adaptive": {name: [...]},
     "best": the static setting of highest mean, "ratios": {name: (geometric mean of the
@@ -290,10 +305,12 @@ def compare(env: Environment, settings: dict[str, dict], seeds: int, steps: int,
     out = {"static": {s: [] for s in statics}, "adaptive": {n: [] for n in settings}, "depths": {n: {} for n in settings}}
     for seed in range(seeds):
         for name in statics:
-            r = run(env, name, {}, seed, steps, pace_sd=pace_sd, prefill_share=prefill_share)
+            r = run(env, name, {}, seed, steps, pace_sd=pace_sd, prefill_share=prefill_share,
+                    empty_steps=empty_steps)
             out["static"][name].append(r["tokens"] / r["seconds"])
         for name, knobs in settings.items():
-            r = run(env, "adaptive", knobs, seed, steps, pace_sd=pace_sd, prefill_share=prefill_share)
+            r = run(env, "adaptive", knobs, seed, steps, pace_sd=pace_sd, prefill_share=prefill_share,
+                    empty_steps=empty_steps)
             out["adaptive"][name].append(r["tokens"] / r["seconds"])
             for d in r["depths"]:
                 out["depths"][name][d] = out["depths"][name].get(d, 0) + 1
@@ -325,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-share", type=float, default=0.0,
                    help="each new request's prompt pass, as a share of a plain decode pass (0: no prompts; "
                         "about 0.35 on the dev CPU)")
+    p.add_argument("--empty-steps", type=float, default=0.0,
+                   help="mean steps a slot stays empty after its request ends (0: refilled at once): the "
+                        "decoding batch then moves inside its bucket, as in a server")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
 
@@ -343,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                  if setting == ("none" if depth == 0 else f"static{depth}")}
         env = environment_from_costs(conc, fixed)
         res = compare(env, settings, args.seeds, args.steps, args.pace_sd, progress=f"{conc} requests",
-                      prefill_share=args.prefill_share)
+                      prefill_share=args.prefill_share, empty_steps=args.empty_steps)
         report[conc] = res
         means = {s: sum(v) / len(v) for s, v in res["static"].items()}
         print(f"{conc} requests ({args.seeds} seeds x {args.steps} steps, pace sd {args.pace_sd}, "
