@@ -610,13 +610,9 @@ class _Row:
 class CostModel:
     """Measured step costs: t_draft(B) per draft step and t_verify(B, num_tokens) per pass."""
 
-    def __init__(self, alpha: float = 0.03, level_alpha: float = 0.1, by_rows: bool = False):
+    def __init__(self, alpha: float = 0.03, level_alpha: float = 0.1):
         self.alpha = alpha
         self.level_alpha = level_alpha
-        # Within a batch bucket, read a verify pass by its rows per sequence at the bucket's
-        # size and scale it to the batch (see _batch_factor), instead of by its token count.
-        self.by_rows = by_rows
-        self._calibrated_verify: dict[tuple[int, int], float] = {}   # (bucket, rows) -> seconds
         self._draft: dict[int, _EmaPoint] = {}                    # batch bucket -> (B, t) of one draft level
         self._draft_rows: dict[int, _Row] = {}                    # batch bucket -> total draft time by depth
         self._overhead: dict[int, _EmaPoint] = {}                 # batch bucket -> (B, t)
@@ -709,16 +705,9 @@ class CostModel:
         """`track_level=False` (calibration): set this bucket only, do not move the row's level."""
         rows = max(1, round(num_tokens / max(1, batch_size)))
         seconds = self._strip_context(self._ctx_verify, batch_size, context_tokens, seconds, rows=rows)
-        bucket = _bucket(batch_size)
-        if not track_level and batch_size == bucket:
-            self._calibrated_verify[(bucket, rows)] = seconds
-        if self.by_rows and batch_size != bucket:
-            # As the pass the bucket's full batch would have run at these rows per sequence.
-            seconds /= self._batch_factor(batch_size, bucket, rows)
-            num_tokens = round(num_tokens * bucket / batch_size)
-        row = self._verify.get(bucket)
+        row = self._verify.get(_bucket(batch_size))
         if row is None:
-            row = self._verify[bucket] = _Row()
+            row = self._verify[_bucket(batch_size)] = _Row()
         # A point per verified rows per sequence (depth + 1 for a chain), not per power-of-two
         # token bucket: at 16 sequences depths 2 and 3 (48 and 64 tokens) would share a point,
         # and on the CPU their costs differ by odd/even row effects a bucket's mean blurs.
@@ -747,16 +736,9 @@ class CostModel:
         extra = 0.0 if context_tokens is None else context_tokens - batch_size * self.reference_context
         slopes = ([(self._ctx_verify[b], w) for b, w in _bucket_weights(sorted(self._ctx_verify), batch_size)]
                   if extra and self._ctx_verify else [])
-        if self.by_rows:
-            buckets = [b for b, _ in _bucket_weights(sorted(self._verify), batch_size)]
         out = []
         for n in token_counts:
-            if self.by_rows:
-                per_seq = n / max(1, batch_size)
-                base = sum(w * row.predict(per_seq * b) * self._batch_factor(batch_size, b, max(1, round(per_seq)))
-                           for (row, w), b in zip(weights, buckets))
-            else:
-                base = sum(w * row.predict(n) for row, w in weights)
+            base = sum(w * row.predict(n) for row, w in weights)
             rows = n / max(1, batch_size)
             excess = extra * sum(w * _slope_at(points, rows) for points, w in slopes)
             out.append(max(0.1 * base, base + excess))
@@ -781,29 +763,6 @@ class CostModel:
                 base += w * (row.predict(d) if row is not None else d * self._draft[b].t)
             out.append(max(0.1 * base, base + d * excess))
         return out
-
-    def _batch_factor(self, batch_size: int, bucket: int, rows: int) -> float:
-        """A verify pass of `rows` rows per sequence at `batch_size` sequences over the same
-        pass at `bucket` sequences: a share phi of the pass does not grow with the batch (the
-        weights are read once), the rest does, phi from the start-up passes of half the bucket
-        and the bucket at those rows (phi = 2 t(b/2) / t(b) - 1, within [0, 1]; at rows not
-        calibrated at both, one row's; without either, half).
-
-        Why not read the row at the batch's token count: a bucket's points sit at the token
-        counts they were measured at, and the batch inside a bucket moves (sequences finish,
-        prompts take slots: at 32 requests the decoding batch ran 24-32), so the point of
-        five rows measured at 24 sequences lies where four rows of 30 sequences are read, and
-        on the CPU the cost over rows is not smooth (four rows cheaper than three on the dev
-        CPU): read by token count, one depth reads another's cost."""
-        if batch_size == bucket:
-            return 1.0
-        phi = 0.5
-        for r in (rows, 1):
-            lo, hi = self._calibrated_verify.get((bucket // 2, r)), self._calibrated_verify.get((bucket, r))
-            if lo is not None and hi:
-                phi = min(1.0, max(0.0, 2.0 * lo / hi - 1.0))
-                break
-        return phi + (1.0 - phi) * batch_size / bucket
 
     def t_verify(self, batch_size: int, num_tokens: int, context_tokens: int | None = None) -> float:
         return self.t_verify_many(batch_size, [num_tokens], context_tokens)[0]
@@ -934,7 +893,6 @@ class AdaptiveController:
         request_alpha: float = 0.1,
         request_shrinkage: float = 4.0,
         cost_alpha: float = 0.03,
-        cost_by_rows: bool = False,
         stale_decay: float = 0.005,
         position_shrinkage: float = 4.0,
         weight_decay: float = 0.01,
@@ -1043,7 +1001,7 @@ class AdaptiveController:
             raise ValueError(f"stop_scale must be >= 0 (0: no early stop), got {stop_scale}")
         self.stop_scale = stop_scale
 
-        self.costs = CostModel(cost_alpha, by_rows=cost_by_rows)
+        self.costs = CostModel(cost_alpha)
         # Global per-position acceptance a_k (index k-1) and sibling acceptance b.
         self.acceptance = [prior_acceptance] * max_depth
         # Early stop (chains): continuation c_k = P(a chain allowed past depth k that reached it
