@@ -128,6 +128,11 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
                   what the adaptive controller predicted for depth d at the batch of its
                   steps (logs with "tokens"): where the two part, the cost model or the
                   acceptance model is wrong about that depth
+    draft_ms[d], verify_ms[d], rest_ms[d]
+                  the fixed setting's step split: draft levels, verify pass, the rest
+    pred_draft_ms[d], pred_verify_ms[d], pred_rest_ms[d]
+                  what the adaptive controller priced those parts at (logs with
+                  "draft_pred"): which part of a wrong step time is wrong
     """
     acc: dict[int, dict] = defaultdict(lambda: {"tok": defaultdict(float), "sec": defaultdict(float),
                                                  "pred": defaultdict(float), "evals": 0,
@@ -137,7 +142,9 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
                                                  "share": defaultdict(float),
                                                  "steps": defaultdict(int), "seqs": defaultdict(float),
                                                  "pred_ms": defaultdict(float), "pred_tok": defaultdict(float),
-                                                 "tok_evals": defaultdict(int)})
+                                                 "tok_evals": defaultdict(int),
+                                                 "draft": defaultdict(float), "verify": defaultdict(float),
+                                                 "parts": defaultdict(lambda: [0.0, 0.0, 0.0, 0])})
     for setting, conc, _res, steps in cells:
         a = acc[conc]
         fixed = 0 if setting == "none" else (int(setting[6:]) if re.fullmatch(r"static\d+", setting) else None)
@@ -152,6 +159,8 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
                 a["sec"][fixed] += s["step_s"]
                 a["steps"][fixed] += 1
                 a["seqs"][fixed] += s["decode"]
+                a["draft"][fixed] += s["draft_s"]
+                a["verify"][fixed] += s["verify_s"]
             elif setting == "adaptive":
                 a["share"][s["depth"]] += s["step_s"]
                 if s.get("predicted"):
@@ -175,6 +184,15 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
                                 a["pred_ms"][d] += 1e3 * s["decode"] * e / g
                                 a["pred_tok"][d] += e
                                 a["tok_evals"][d] += 1
+                    drafts, verifies = ev.get("draft_pred"), ev.get("verify_pred")
+                    if drafts and verifies and len(drafts) == len(verifies) == len(curve):
+                        for d, (x, y) in enumerate(zip(drafts, verifies)):
+                            if x is not None and y is not None:
+                                pa = a["parts"][d]
+                                pa[0] += x
+                                pa[1] += y
+                                pa[2] += ev.get("rest_pred", 0.0)
+                                pa[3] += 1
                     bias = ev.get("bias")
                     if bias and len(bias) == len(curve):
                         corr = [None if g is None else g * f for g, f in zip(curve, bias)]
@@ -199,6 +217,13 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
             "tokens": {d: a["tok"][d] / a["seqs"][d] for d in sorted(a["seqs"]) if a["seqs"][d] > 0},
             "pred_ms": {d: a["pred_ms"][d] / n for d, n in sorted(a["tok_evals"].items())},
             "pred_tokens": {d: a["pred_tok"][d] / n for d, n in sorted(a["tok_evals"].items())},
+            "draft_ms": {d: 1e3 * a["draft"][d] / a["steps"][d] for d in sorted(a["steps"])},
+            "verify_ms": {d: 1e3 * a["verify"][d] / a["steps"][d] for d in sorted(a["steps"])},
+            "rest_ms": {d: 1e3 * (a["sec"][d] - a["draft"][d] - a["verify"][d]) / a["steps"][d]
+                        for d in sorted(a["steps"])},
+            "pred_draft_ms": {d: v[0] / v[3] for d, v in sorted(a["parts"].items()) if v[3]},
+            "pred_verify_ms": {d: v[1] / v[3] for d, v in sorted(a["parts"].items()) if v[3]},
+            "pred_rest_ms": {d: v[2] / v[3] for d, v in sorted(a["parts"].items()) if v[3]},
         }
     return out
 
@@ -228,6 +253,12 @@ def curves_markdown(cs: dict[int, dict]) -> str:
                          + " | ".join(f"{own[d]:.2f}" if d in own else "" for d in depths) + " |")
         for label, key, fmt in (("fixed setting, ms a step", "step_ms", "{:.1f}"),
                                 ("adaptive predicted, ms a step", "pred_ms", "{:.1f}"),
+                                ("fixed setting, draft ms", "draft_ms", "{:.1f}"),
+                                ("adaptive priced, draft ms", "pred_draft_ms", "{:.1f}"),
+                                ("fixed setting, verify ms", "verify_ms", "{:.1f}"),
+                                ("adaptive priced, verify ms", "pred_verify_ms", "{:.1f}"),
+                                ("fixed setting, rest ms", "rest_ms", "{:.1f}"),
+                                ("adaptive priced, rest ms", "pred_rest_ms", "{:.1f}"),
                                 ("fixed setting, tokens a sequence", "tokens", "{:.2f}"),
                                 ("adaptive predicted, tokens a sequence", "pred_tokens", "{:.2f}")):
             row = c.get(key, {})

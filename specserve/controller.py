@@ -1058,6 +1058,7 @@ class AdaptiveController:
         self.stop_below = 0.0                # the last plan's early-stop path probability (chains)
         self.measured_goodput = 0.0          # EMA of observed tokens/s
         self.last_plan = self.current
+        self._priced: tuple[list, list, float] = ([], [], 0.0)   # its costs (fresh_costs)
         self._scores: dict[Plan, tuple[float, float]] | None = None   # the last evaluation,
         self._scores_key: tuple | None = None                          # the batch it was for,
         self._since_evaluated = 0                                      # and plans since
@@ -1238,6 +1239,8 @@ class AdaptiveController:
         else:
             drafts = [x * self.draft_cost_guess * t_verify0 for x in levels]
         t_step = self.costs.t_overhead(B)
+        # What each depth's best plan is priced at (draft, verify), for the step log.
+        parts: dict[int, tuple[float, float, float]] = {}
         for d in range(self.max_depth + 1):
             budgets = all_budgets[d]
             gains = self._alternate_gains(miss, d, budgets[-1] - d) if d else []
@@ -1252,6 +1255,10 @@ class AdaptiveController:
                     total = from_paths * B
                 cost = t_step + drafts[d] + verify[plan_rows[d, n]]
                 out[Plan(d, n)] = (total / cost if cost > 0 else 0.0, total / B)
+                if cost > 0 and (d not in parts or total / cost > parts[d][0]):
+                    parts[d] = (total / cost, drafts[d], verify[plan_rows[d, n]])
+        self._priced = ([parts[d][1] if d in parts else None for d in range(self.max_depth + 1)],
+                        [parts[d][2] if d in parts else None for d in range(self.max_depth + 1)], t_step)
         return out
 
     def reach(self) -> list[float]:
@@ -1436,6 +1443,14 @@ class AdaptiveController:
             return None
         best = _best_per_depth(self._scores)
         return [best[d][1] if d in best else None for d in range(self.max_depth + 1)]
+
+    def fresh_costs(self) -> tuple[list[float | None], list[float | None], float] | None:
+        """With fresh_curve: the seconds that evaluation priced each depth's best plan at, as
+        (draft levels per depth, verify pass per depth, the rest of a step): beside what the
+        fixed depths measured (step_report --curves), which part of the cost model is wrong."""
+        if self.mode != "adaptive" or self._scores is None or self._since_evaluated != 0:
+            return None
+        return self._priced
 
     def fresh_bias(self) -> list[float] | None:
         """With fresh_curve: the bias factor of each depth that decision read (see "Bias")."""

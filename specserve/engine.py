@@ -301,6 +301,10 @@ class LLMEngine:
                 record["curve"] = [None if g is None else round(g, 2) for g in curve]
                 record["bias"] = [round(f, 3) for f in controller.fresh_bias()]
                 record["tokens"] = [None if e is None else round(e, 3) for e in controller.fresh_tokens()]
+                drafts, verifies, rest = controller.fresh_costs()
+                record["draft_pred"] = [None if x is None else round(1e3 * x, 3) for x in drafts]
+                record["verify_pred"] = [None if x is None else round(1e3 * x, 3) for x in verifies]
+                record["rest_pred"] = round(1e3 * rest, 3)
         self.step_log.write(record)
 
     def _decode(self, batch: SchedulerOutput) -> dict[str, list[int]]:

@@ -27,6 +27,10 @@ one object:
                     what the depths share; the controller's module docstring, "Bias")
     tokens          with curve: the expected tokens per sequence of each depth's best plan
                     (so the predicted step time is decode x tokens / curve)
+    draft_pred, verify_pred, rest_pred
+                    with curve: the milliseconds that evaluation priced each depth's draft
+                    levels and verify pass at, and the rest of a step (which part of the
+                    predicted step time is off, set beside the fixed depths' steps)
     stop, drafted   with early stop ([spec] early_stop): the path probability below which
                     the step's chains stopped growing, and the tree nodes verified over all
                     sequences (below depth x decode where chains stopped early)

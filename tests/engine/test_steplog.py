@@ -79,6 +79,13 @@ def test_every_step_is_logged_and_accounts_for_prompts_and_outputs(target, tmp_p
             if "curve" in s:
                 tokens = [e for e in s["tokens"] if e is not None]
                 assert len(s["tokens"]) == 5 and tokens[0] == 1.0 and tokens == sorted(tokens)
+                # And the parts each depth was priced at, which add up to its predicted step:
+                # decode x tokens / goodput = draft + verify + the rest.
+                assert s["draft_pred"][0] == 0.0 and s["rest_pred"] >= 0.0
+                for d, (g, e) in enumerate(zip(s["curve"], s["tokens"])):
+                    if g:
+                        priced = s["draft_pred"][d] + s["verify_pred"][d] + s["rest_pred"]
+                        assert priced == pytest.approx(1e3 * max(1, s["decode"]) * e / g, rel=0.02, abs=0.01)
 
 
 def test_a_step_log_that_cannot_be_written_fails_before_loading(tmp_path):

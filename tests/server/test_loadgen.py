@@ -713,7 +713,8 @@ def test_step_report_curves_put_measured_depths_beside_the_prediction(tmp_path):
         "none": [step(1, 0, 4, 4, 0.01), step(2, 0, 4, 4, 0.01)],                      # 400 tok/s
         "static2": [step(1, 2, 4, 12, 0.02), step(2, 2, 2, 6, 0.001),                  # 600; B=2 < 3: left out
                     step(3, 2, 4, 12, 0.5, prefill=100)],                              # a mixed step: left out
-        "adaptive": [step(1, 2, 4, 12, 0.03, curve=[100.0, 200.0, 400.0], tokens=[1.0, 2.0, 3.0]),  # 400 tok/s as predicted
+        "adaptive": [dict(step(1, 2, 4, 12, 0.03, curve=[100.0, 200.0, 400.0], tokens=[1.0, 2.0, 3.0]),  # 400 tok/s as predicted
+                          draft_pred=[0.0, 4.0, 6.0], verify_pred=[38.0, 34.0, 22.0], rest_pred=2.0),
                      step(2, 1, 4, 8, 0.01, curve=[100.0, 400.0, 200.0], bias=[1.0, 0.5, 1.0]),
                      step(3, 1, 4, 8, 0.01, predicted=1000.0)],                        # 800 of 1000 promised
     }
@@ -738,7 +739,14 @@ def test_step_report_curves_put_measured_depths_beside_the_prediction(tmp_path):
     assert c["step_ms"] == pytest.approx({0: 10.0, 2: 20.0}) and c["tokens"] == pytest.approx({0: 1.0, 2: 3.0})
     assert c["pred_ms"] == pytest.approx({0: 40.0, 1: 40.0, 2: 30.0})
     assert c["pred_tokens"] == pytest.approx({0: 1.0, 1: 2.0, 2: 3.0})
+    # The parts of a step, measured by the fixed settings and as the evaluation priced them.
+    assert c["verify_ms"] == pytest.approx({0: 5.0, 2: 10.0}) and c["draft_ms"] == pytest.approx({0: 0.0, 2: 0.0})
+    assert c["rest_ms"] == pytest.approx({0: 5.0, 2: 10.0})
+    assert c["pred_draft_ms"] == pytest.approx({0: 0.0, 1: 4.0, 2: 6.0})
+    assert c["pred_verify_ms"] == pytest.approx({0: 38.0, 1: 34.0, 2: 22.0}) and c["pred_rest_ms"][1] == 2.0
     table = step_report.curves_markdown({4: c})
+    assert "| adaptive priced, verify ms | 38.0 | 34.0 | 22.0 |" in table
+    assert "| fixed setting, verify ms | 5.0 |  | 10.0 |" in table
     assert "| fixed setting, tok/s | 400 |  | 600 |" in table
     assert "| adaptive time share |  | 40% | 60% |" in table
     assert "| adaptive corrected, / its best | 0.50 | 1.00 | 1.00 |" in table
