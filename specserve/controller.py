@@ -1058,7 +1058,7 @@ class AdaptiveController:
         self.stop_below = 0.0                # the last plan's early-stop path probability (chains)
         self.measured_goodput = 0.0          # EMA of observed tokens/s
         self.last_plan = self.current
-        self._priced: tuple[list, list, float] = ([], [], 0.0)   # its costs (fresh_costs)
+        self._priced: tuple[list, list, float] = ([], [], 0.0)   # what it priced (fresh_costs)
         self._scores: dict[Plan, tuple[float, float]] | None = None   # the last evaluation,
         self._scores_key: tuple | None = None                          # the batch it was for,
         self._since_evaluated = 0                                      # and plans since
@@ -1239,7 +1239,7 @@ class AdaptiveController:
         else:
             drafts = [x * self.draft_cost_guess * t_verify0 for x in levels]
         t_step = self.costs.t_overhead(B)
-        # What each depth's best plan is priced at (draft, verify), for the step log.
+        # Each depth's best plan: (goodput, draft seconds, verify seconds), for the step log.
         parts: dict[int, tuple[float, float, float]] = {}
         for d in range(self.max_depth + 1):
             budgets = all_budgets[d]
