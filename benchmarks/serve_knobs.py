@@ -128,7 +128,7 @@ def install(knobs: dict[str, dict[str, object]], cls: type | None = None) -> Non
     from specserve import spec as spec_mod
 
     cls = cls or spec_mod.Speculator
-    plain_set, plain_setting, plain_forget = cls.set_setting, cls.setting, cls.forget
+    plain_set, plain_setting, plain_forget_history = cls.set_setting, cls.setting, cls.forget_history
 
     def set_setting(self, mode, depth=None):
         if mode not in knobs:
@@ -152,12 +152,12 @@ def install(knobs: dict[str, dict[str, object]], cls: type | None = None) -> Non
         name = getattr(self, "_knob_name", None)
         return {"mode": name} if name is not None and self.controller is not None else plain_setting(self)
 
-    def forget(self, request):
-        plain_forget(self, request)
+    def forget_history(self, request_id):
+        plain_forget_history(self, request_id)
         for c in getattr(self, "_knob_controllers", {}).values():
-            c.forget(request.request_id)
+            c.forget(request_id)
 
-    cls.set_setting, cls.setting, cls.forget = set_setting, setting, forget
+    cls.set_setting, cls.setting, cls.forget_history = set_setting, setting, forget_history
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -115,6 +115,7 @@ class Speculator:
         spec = config.spec
         self.tree_kind = spec.tree if drafter.has_kv else "chain"
         self._step_stats = None  # this step's StepStats, completed by end_step()
+        self._forget_after_step: list[str] = []   # finished in this step: forgotten once it is reported
         self._step_measured_s = 0.0  # its draft + verify time
         self.last_timing = (0.0, 0.0)  # the last step's draft and verify seconds, prefill or not (the step log)
         self.last_drafted = 0  # tree nodes the last step verified, all sequences together (the step log)
@@ -407,20 +408,33 @@ class Speculator:
         """The engine step is over (outputs built): hand the controller what it measured.
         step_s: what the step cost, from the end of the step before (see LLMEngine.step)."""
         stats, self._step_stats = self._step_stats, None
-        if stats is None:
-            return
-        if stats.verify_s > 0:
-            stats.overhead_s = max(0.0, step_s - self._step_measured_s)
-        self.controller.observe(stats)
+        finished, self._forget_after_step = self._forget_after_step, []
+        if stats is not None:
+            if stats.verify_s > 0:
+                stats.overhead_s = max(0.0, step_s - self._step_measured_s)
+            self.controller.observe(stats)
+        for request_id in finished:
+            self.forget_history(request_id)
 
     def prefill_draft(self, batch: SchedulerOutput) -> None:
         if self.drafter.has_kv:
             self.drafter.prefill([s for s in batch.seqs if _is_prefill(s)])
 
     def forget(self, request: Request) -> None:
+        """The request finished or was aborted: its draft state goes now, its acceptance
+        history once the step that finished it has been reported (end_step), since that
+        report counts it and would otherwise start its history afresh."""
         self.drafter.forget(request)
+        stats = self._step_stats
+        if stats is not None and request.request_id in stats.request_ids:
+            self._forget_after_step.append(request.request_id)
+        else:
+            self.forget_history(request.request_id)
+
+    def forget_history(self, request_id: str) -> None:
+        """Drop a finished request's acceptance history from the controllers."""
         if self.adaptive is not None:   # detached or not: its per-request history goes either way
-            self.adaptive.forget(request.request_id)
+            self.adaptive.forget(request_id)
 
     # -- one step ------------------------------------------------------------------------
 

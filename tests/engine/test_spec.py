@@ -492,6 +492,25 @@ def test_a_step_costs_from_the_end_of_the_one_before(models):
     engine.pool.check_all_free()
 
 
+def test_finished_requests_leave_no_history_in_the_controller(models, reference):
+    """The step that finishes a request still reports its acceptance to the controller (at
+    the step's end, after the engine forgot the request): that report must not bring the
+    request's history back, or every request that ends inside a step stays tracked for good."""
+    llm = make_llm(models, "weak", spec_mode="adaptive")
+    ctrl = llm.engine.spec.controller
+    ctrl.plan = lambda *a: Plan(4, 4)   # speculate every step, whatever this tiny pair's costs say
+    stop = reference[2][5]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 7, 11, MAX_TOKENS)]
+    params.append(SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]))
+    for p in params:
+        outs = llm.generate(PROMPTS, p)
+        assert [o.token_ids for o in outs] == [r[: len(o.token_ids)] for r, o in zip(reference, outs)]
+        assert ctrl.snapshot()["num_tracked_requests"] == 0, p
+    assert outs[2].finish_reason == "stop"
+    assert llm.engine.spec.totals.num_drafts > 0
+    llm.engine.pool.check_all_free()
+
+
 def _spy_trees(llm) -> list:
     """(stop_below, tree) of every tree the drafter proposes from now on."""
     seen = []

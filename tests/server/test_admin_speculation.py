@@ -178,7 +178,7 @@ def test_knob_controllers_take_turns_with_adaptive_in_one_server(admin_server, r
     from benchmarks import serve_knobs
     from specserve.spec import Speculator
 
-    for name in ("set_setting", "setting", "forget"):   # install() patches the class: undone after
+    for name in ("set_setting", "setting", "forget_history"):   # install() patches the class: undone after
         monkeypatch.setattr(Speculator, name, getattr(Speculator, name))
     knobs = serve_knobs.parse_knobs(["calm:explore_interval=16,explore_margin=0.05",
                                      "nobias:bias_half_life=0,bias_limits=(0.5, 2.0)"])
