@@ -296,7 +296,8 @@ def run(env: Environment, setting: str, knobs: dict, seed: int, steps: int, max_
 
 
 def compare(env: Environment, settings: dict[str, dict], seeds: int, steps: int, pace_sd: float = 0.11,
-            progress: str | None = None, prefill_share: float = 0.0, empty_steps: float = 0.0) -> dict:
+            progress: str | None = None, prefill_share: float = 0.0, empty_steps: float = 0.0,
+            calibration_sd: float = 0.05) -> dict:
     """Every static depth of the environment and every adaptive setting ({name: knobs}) over
     the same `seeds`. Returns {"static": {name: [tok/s per seed]}, "adaptive": {name: [...]},
     "best": the static setting of highest mean, "ratios": {name: (geometric mean of the
@@ -306,11 +307,11 @@ def compare(env: Environment, settings: dict[str, dict], seeds: int, steps: int,
     for seed in range(seeds):
         for name in statics:
             r = run(env, name, {}, seed, steps, pace_sd=pace_sd, prefill_share=prefill_share,
-                    empty_steps=empty_steps)
+                    empty_steps=empty_steps, calibration_sd=calibration_sd)
             out["static"][name].append(r["tokens"] / r["seconds"])
         for name, knobs in settings.items():
             r = run(env, "adaptive", knobs, seed, steps, pace_sd=pace_sd, prefill_share=prefill_share,
-                    empty_steps=empty_steps)
+                    empty_steps=empty_steps, calibration_sd=calibration_sd)
             out["adaptive"][name].append(r["tokens"] / r["seconds"])
             for d in r["depths"]:
                 out["depths"][name][d] = out["depths"][name].get(d, 0) + 1
@@ -345,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--empty-steps", type=float, default=0.0,
                    help="mean steps a slot stays empty after its request ends (0: refilled at once): the "
                         "decoding batch then moves inside its bucket, as in a server")
+    p.add_argument("--calibration-sd", type=float, default=0.05,
+                   help="sd of the log error of each start-up calibration point (the server's verify "
+                        "shape at 16-32 requests stood 5-19%% off the fixed depths', twenty-fourth session)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
 
@@ -363,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                  if setting == ("none" if depth == 0 else f"static{depth}")}
         env = environment_from_costs(conc, fixed)
         res = compare(env, settings, args.seeds, args.steps, args.pace_sd, progress=f"{conc} requests",
-                      prefill_share=args.prefill_share, empty_steps=args.empty_steps)
+                      prefill_share=args.prefill_share, empty_steps=args.empty_steps,
+                      calibration_sd=args.calibration_sd)
         report[conc] = res
         means = {s: sum(v) / len(v) for s, v in res["static"].items()}
         print(f"{conc} requests ({args.seeds} seeds x {args.steps} steps, pace sd {args.pace_sd}, "

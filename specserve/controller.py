@@ -515,7 +515,8 @@ class _Row:
         return _interp_points(points, num_tokens, self._xs)
 
     def observe(self, num_tokens: int, seconds: float, alpha: float, level_alpha: float,
-                is_reference: bool = False, provisional: bool = False, key: int | None = None) -> None:
+                is_reference: bool = False, provisional: bool = False, key: int | None = None,
+                cross_alpha: float = _CROSS_ALPHA) -> None:
         """is_reference: a careful measurement (calibration) that fixes the point's reference.
         provisional: a stand-in (a calibration that does not run the way the engine's steps
         do) used until the first real measurement, which then replaces it outright, value
@@ -586,7 +587,7 @@ class _Row:
                 # compare by their references: at 32 sequences (seventh session) 3 rows read
                 # 1.5x dearer than 4 for good, depth 2 became a dip, and adaptive sat at depth 1.
                 target = min(max(cross, 0.5 * p.ref), 2.0 * p.ref)
-                p.ref += _CROSS_ALPHA * (target - p.ref)
+                p.ref += cross_alpha * (target - p.ref)
             p.update(num_tokens, seconds, alpha)
         p.level = self.level
 
@@ -610,9 +611,10 @@ class _Row:
 class CostModel:
     """Measured step costs: t_draft(B) per draft step and t_verify(B, num_tokens) per pass."""
 
-    def __init__(self, alpha: float = 0.03, level_alpha: float = 0.1):
+    def __init__(self, alpha: float = 0.03, level_alpha: float = 0.1, cross_alpha: float = _CROSS_ALPHA):
         self.alpha = alpha
         self.level_alpha = level_alpha
+        self.cross_alpha = cross_alpha   # how far one comparison moves a point's reference
         self._draft: dict[int, _EmaPoint] = {}                    # batch bucket -> (B, t) of one draft level
         self._draft_rows: dict[int, _Row] = {}                    # batch bucket -> total draft time by depth
         self._overhead: dict[int, _EmaPoint] = {}                 # batch bucket -> (B, t)
@@ -684,7 +686,7 @@ class CostModel:
         # would push the row's level up for every depth. So they only stand in until the
         # engine has run that depth.
         row.observe(depth, seconds, self.alpha, self.level_alpha if track_level else 0.0,
-                    provisional=not track_level)
+                    provisional=not track_level, cross_alpha=self.cross_alpha)
 
     def t_draft_total(self, batch_size: int, depth: int, context_tokens: int | None = None) -> float:
         """Seconds of `depth` draft levels. Measured totals by depth where the engine has run
@@ -712,7 +714,7 @@ class CostModel:
         # token bucket: at 16 sequences depths 2 and 3 (48 and 64 tokens) would share a point,
         # and on the CPU their costs differ by odd/even row effects a bucket's mean blurs.
         row.observe(num_tokens, seconds, self.alpha, self.level_alpha if track_level else 0.0,
-                    is_reference=not track_level, key=rows)
+                    is_reference=not track_level, key=rows, cross_alpha=self.cross_alpha)
 
     def t_draft(self, batch_size: int) -> float:
         if not self._draft:
@@ -893,6 +895,7 @@ class AdaptiveController:
         request_alpha: float = 0.1,
         request_shrinkage: float = 4.0,
         cost_alpha: float = 0.03,
+        cross_alpha: float = _CROSS_ALPHA,
         stale_decay: float = 0.005,
         position_shrinkage: float = 4.0,
         weight_decay: float = 0.01,
@@ -1001,7 +1004,9 @@ class AdaptiveController:
             raise ValueError(f"stop_scale must be >= 0 (0: no early stop), got {stop_scale}")
         self.stop_scale = stop_scale
 
-        self.costs = CostModel(cost_alpha)
+        if not 0.0 <= cross_alpha <= 1.0:
+            raise ValueError(f"cross_alpha must be in [0, 1], got {cross_alpha}")
+        self.costs = CostModel(cost_alpha, cross_alpha=cross_alpha)
         # Global per-position acceptance a_k (index k-1) and sibling acceptance b.
         self.acceptance = [prior_acceptance] * max_depth
         # Early stop (chains): continuation c_k = P(a chain allowed past depth k that reached it

@@ -976,6 +976,27 @@ def test_a_point_first_measured_on_another_scale_is_brought_into_line_by_its_nei
     assert cm.t_verify(32, 32 * 4) == pytest.approx(1.5 * cost(4), rel=0.03)
 
 
+@pytest.mark.parametrize("cross_alpha", [0.0, 0.1, 0.3])
+def test_how_far_one_comparison_moves_a_reference(cross_alpha):
+    # Calibrated with 5 rows 10% too cheap beside 4 (the server's verify pass has kinks the idle
+    # calibration misses); the plan runs 4 rows and explores 5 one step in 16. After n such
+    # comparisons 5 rows' error is (1 - cross_alpha) ** n of the calibrated one: 0 keeps the
+    # calibration's shape, and the default 0.1 leaves a third of it after ten explorations.
+    cost = lambda rows: 0.008 + 0.004 * rows  # noqa: E731
+    cm = CostModel(cross_alpha=cross_alpha)
+    for rows in (1, 2, 4, 9):
+        cm.observe_verify(32, 32 * rows, cost(rows), track_level=False)
+    cm.observe_verify(32, 32 * 5, 0.9 * cost(5), track_level=False)
+    for step in range(1, 161):
+        rows = 5 if step % 16 == 0 else 4
+        cm.observe_verify(32, 32 * rows, cost(rows))
+    error = cm.t_verify(32, 32 * 5) / cm.t_verify(32, 32 * 4) / (cost(5) / cost(4)) - 1.0
+    assert error == pytest.approx(-0.1 * (1.0 - cross_alpha) ** 10, abs=0.005)
+    with pytest.raises(ValueError, match="cross_alpha"):
+        AdaptiveController(cross_alpha=1.5)
+    assert AdaptiveController(cross_alpha=cross_alpha).costs.cross_alpha == cross_alpha
+
+
 def test_a_new_point_between_measured_ones_takes_its_place_in_the_shape_from_them():
     # Calibrated idle at rows 1, 2, 4 and 9; the loaded server costs 1.8x. The engine's first
     # steps in this bucket run 3 rows (a point of its own) with the level still at 1.0. Its

@@ -65,6 +65,15 @@ def test_static_runs_yield_what_the_environment_says_and_share_their_requests():
     assert run(env, "static3", {}, seed=5, steps=100) != a
 
 
+def test_calibration_error_reaches_the_adaptive_controller_only():
+    env = environment_from_costs(32, COSTS)
+    # A fixed depth never reads the calibration; the controller plans from it.
+    assert (run(env, "static3", {}, seed=2, steps=100, calibration_sd=0.3)
+            == run(env, "static3", {}, seed=2, steps=100, calibration_sd=0.0))
+    assert (run(env, "adaptive", {}, seed=2, steps=100, calibration_sd=0.3)
+            != run(env, "adaptive", {}, seed=2, steps=100, calibration_sd=0.0))
+
+
 def test_on_a_steady_host_the_controller_finds_the_best_depth():
     env = environment_from_costs(32, COSTS)
     res = compare(env, {"adaptive": {}, "restless": {"explore_interval": 2}}, seeds=2, steps=300, pace_sd=0.0)
@@ -119,7 +128,7 @@ def test_main_replays_a_sweeps_step_logs(tmp_path, capsys):
     _fake_sweep(tmp_path, {d: COSTS[d] for d in range(5)})
     out = tmp_path / "sim.json"
     assert main([str(tmp_path), "--concurrency", "8", "--seeds", "2", "--steps", "120",
-                 "--knobs", "nbr:explore_margin=0", "--json", str(out)]) == 0
+                 "--knobs", "nbr:explore_margin=0", "--calibration-sd", "0.1", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "8 requests" in text and "adaptive / static" in text and "nbr / static" in text
     res = json.loads(out.read_text())["8"]
