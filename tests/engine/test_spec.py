@@ -508,6 +508,17 @@ def test_finished_requests_leave_no_history_in_the_controller(models, reference)
         assert ctrl.snapshot()["num_tracked_requests"] == 0, p
     assert outs[2].finish_reason == "stop"
     assert llm.engine.spec.totals.num_drafts > 0
+    # Aborted between steps, while the others go on: forgotten as well.
+    eng = llm.engine
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"a{i}", p, GREEDY)
+    for _ in range(3):
+        eng.step()
+    eng.abort_request("a1")
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.step()
+    assert ctrl.snapshot()["num_tracked_requests"] == 0
     llm.engine.pool.check_all_free()
 
 
