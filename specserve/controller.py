@@ -448,8 +448,9 @@ def _pool_adjacent_violators(points: list[_EmaPoint]) -> None:
 
 
 # How far one comparison with a neighbouring point (a measurement right after the row measured
-# another point) moves a point's reference: explorations come one step in 16, so each counts,
-# but one taken just as a slow spell ends is off by the spell.
+# another point) moves a point's reference (AdaptiveController(cross_alpha=...)): explorations
+# come one step in 8, so each counts, but one taken just as a slow spell ends is off by the
+# spell. 0.03 and 0.3 read within 1.2% of this in a server A/B (benchmarks/RESULTS.md, s24a).
 _CROSS_ALPHA = 0.1
 
 
