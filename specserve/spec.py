@@ -408,13 +408,14 @@ class Speculator:
         """The engine step is over (outputs built): hand the controller what it measured.
         step_s: what the step cost, from the end of the step before (see LLMEngine.step)."""
         stats, self._step_stats = self._step_stats, None
-        finished, self._forget_after_step = self._forget_after_step, []
         if stats is not None:
             if stats.verify_s > 0:
                 stats.overhead_s = max(0.0, step_s - self._step_measured_s)
             self.controller.observe(stats)
-        for request_id in finished:
-            self.forget_history(request_id)
+        if self._forget_after_step:   # requests this step finished: reported, now forgotten
+            for request_id in self._forget_after_step:
+                self.forget_history(request_id)
+            self._forget_after_step.clear()
 
     def prefill_draft(self, batch: SchedulerOutput) -> None:
         if self.drafter.has_kv:
