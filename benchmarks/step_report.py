@@ -349,6 +349,57 @@ def depth_costs_markdown(dc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+KINDS = ("run", "switch-in", "isolated")
+
+
+def step_kinds(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -> dict:
+    """{concurrency: {(setting, depth, kind): figures}} for the controllers' decode-only steps
+    that hold at least `full` of the concurrency, by where each stood in the run of depths: a
+    *run* step follows a step at its depth, a *switch-in* starts a run of two or more, an
+    *isolated* step has other depths on both sides (an exploration, a probe, a guard's plain
+    sample). Figures: steps, and the means of measured over predicted tokens (emitted over the
+    batch times the last fresh evaluation's tokens a sequence at that depth), step time and
+    goodput (emitted / step_s over the plan's predicted goodput). An isolated step that reads
+    dear against the plan's runs teaches the model and the bias correction that its depth is
+    dear (the twenty-fourth session: plain and depth-1 steps at 32-64 requests 1.2-1.4x their
+    predicted time)."""
+    sums: dict[int, dict[tuple[str, int, str], list[float]]] = {}
+    for setting, conc, _, steps in cells:
+        tokens = None   # the last fresh evaluation's tokens a sequence per depth
+        for i, s in enumerate(steps):
+            if s.get("tokens"):
+                tokens = s["tokens"]
+            if (s.get("prefill_seqs") or s["decode"] < max(1.0, full * conc) or not s.get("predicted")
+                    or tokens is None or i == 0 or i + 1 >= len(steps) or s["step_s"] <= 0):
+                continue
+            d = s["depth"]
+            expected = tokens[d] if d < len(tokens) else None
+            if not expected:
+                continue
+            before, after = steps[i - 1]["depth"], steps[i + 1]["depth"]
+            kind = "run" if before == d else ("switch-in" if after == d else "isolated")
+            predicted_s = s["decode"] * expected / s["predicted"]
+            acc = sums.setdefault(conc, {}).setdefault((setting, d, kind), [0.0] * 4)
+            for j, x in enumerate((1, s["emitted"] / (s["decode"] * expected), s["step_s"] / predicted_s,
+                                   s["emitted"] / s["step_s"] / s["predicted"])):
+                acc[j] += x
+    return {conc: {key: {"steps": int(n), "tokens": tok / n, "time": t / n, "goodput": g / n}
+                   for key, (n, tok, t, g) in by.items()} for conc, by in sums.items()}
+
+
+def step_kinds_markdown(sk: dict) -> str:
+    lines = []
+    for conc in sorted(sk):
+        lines += ["", f"{conc} requests: the controller's steps by where they stood, measured / predicted", "",
+                  "| depth | setting | kind | steps | tokens | time | goodput |",
+                  "|---:|---|---|---:|---:|---:|---:|"]
+        for (setting, depth, kind), r in sorted(sk[conc].items(),
+                                                key=lambda kv: (kv[0][1], kv[0][0], KINDS.index(kv[0][2]))):
+            lines.append(f"| {depth} | {setting} | {kind} | {r['steps']} | {r['tokens']:.3f} | {r['time']:.3f} "
+                         f"| {r['goodput']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.step_report", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep_dirs", nargs="+", type=Path)
@@ -361,6 +412,9 @@ def main(argv=None) -> int:
     p.add_argument("--depth-costs", action="store_true",
                    help="also, per concurrency, each setting's steps by depth (after a step at the same "
                         "depth, near the full batch): what one depth costs under each setting")
+    p.add_argument("--step-kinds", action="store_true",
+                   help="also, per concurrency, the controllers' steps by depth and by where they stood "
+                        "(in a run, starting one, isolated): measured over predicted tokens, time, goodput")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     cells = [c for d in args.sweep_dirs for c in cells_of(d)]
@@ -378,6 +432,8 @@ def main(argv=None) -> int:
             print(plot_curves(cs, args.plot))
     if args.depth_costs:
         print(depth_costs_markdown(depth_costs(cells)), end="")
+    if args.step_kinds:
+        print(step_kinds_markdown(step_kinds(cells)), end="")
     if args.json:
         args.json.write_text(json.dumps([{"setting": s, "concurrency": c, **r} for (s, c), r in rows.items()], indent=1))
     return 0

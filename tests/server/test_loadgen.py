@@ -688,6 +688,41 @@ def test_step_report_depth_costs_compare_one_depth_across_settings(tmp_path):
     assert "| 3 | static3 | 2 | 4.0 | 20.0 |" in table
 
 
+def test_step_report_step_kinds_set_a_runs_steps_apart_from_isolated_ones(tmp_path):
+    """--step-kinds: the controller's decode-only steps by depth and by where they stood (in a
+    run, starting one, isolated between other depths), measured over predicted."""
+    from benchmarks import step_report
+
+    rd = tmp_path / "round0"
+    rd.mkdir()
+    (rd / "adaptive_c4.json").write_text(json.dumps(
+        {"started_at": 100.0, "finished_at": 200.0, "metrics": {"output_throughput": 50.0}}))
+    tokens = [1.0, 1.8, 2.5, 3.0, 3.5]   # the fresh evaluation's tokens a sequence per depth
+    lines = []
+    # Depths 3 3 3 1 3 3 2 2 3: 3 runs, 1 isolated, 2 switched into; the first and last steps
+    # have no neighbour on one side and are left out. Depth 3 steps emit as predicted (4 x 3
+    # tokens) in the predicted time; depth 1 takes twice its predicted time.
+    for k, d in enumerate([3, 3, 3, 1, 3, 3, 2, 2, 3]):
+        predicted = 4 * tokens[d] / 0.1   # tokens/s: a step predicted at 0.1 s
+        step_s = 0.2 if d == 1 else 0.1
+        lines.append({"t": 101.0 + k, "depth": d, "nodes": d, "decode": 4, "prefill_seqs": 0, "prefill_tokens": 0,
+                      "emitted": round(4 * tokens[d]) if d != 1 else 7, "draft_s": 0.01, "verify_s": 0.02,
+                      "step_s": step_s, "predicted": predicted, **({"tokens": tokens} if k == 0 else {})})
+    (tmp_path / "steps_shared_round0.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    sk = step_report.step_kinds(step_report.cells_of(tmp_path))[4]
+    assert {k: v["steps"] for k, v in sk.items()} == {
+        ("adaptive", 3, "run"): 3, ("adaptive", 3, "switch-in"): 1, ("adaptive", 1, "isolated"): 1,
+        ("adaptive", 2, "switch-in"): 1, ("adaptive", 2, "run"): 1}
+    assert sk[("adaptive", 3, "run")]["time"] == pytest.approx(1.0)
+    assert sk[("adaptive", 3, "run")]["tokens"] == pytest.approx(1.0)
+    iso = sk[("adaptive", 1, "isolated")]
+    assert iso["time"] == pytest.approx(2.0) and iso["tokens"] == pytest.approx(7 / 7.2)
+    assert iso["goodput"] == pytest.approx(7 / 0.2 / (4 * 1.8 / 0.1))
+    table = step_report.step_kinds_markdown({4: sk})
+    assert "| 1 | adaptive | isolated | 1 | 0.972 | 2.000 | 0.486 |" in table
+    assert step_report.main([str(tmp_path), "--step-kinds"]) == 0
+
+
 def test_step_report_curves_put_measured_depths_beside_the_prediction(tmp_path):
     """step_report --curves: per concurrency, the fixed settings' tokens/s over full-batch
     decode-only steps by depth, the adaptive controller's predicted curve relative to its
