@@ -926,7 +926,6 @@ class AdaptiveController:
         bias_prior_sd: float = 0.1,
         bias_noise_sd: float = 0.5,
         bias_deadband: float = 0.02,
-        bias_pace_alpha: float = 0.0,
         bias_limits: tuple[float, float] = (0.6, 1.5),
         stop_scale: float = 1.0,
     ):
@@ -1000,9 +999,6 @@ class AdaptiveController:
         self.bias_prior_sd = bias_prior_sd
         self.bias_noise_sd = bias_noise_sd
         self.bias_deadband = bias_deadband
-        if not 0.0 <= bias_pace_alpha <= 1.0:
-            raise ValueError(f"bias_pace_alpha must be in [0, 1] (0: off), got {bias_pace_alpha}")
-        self.bias_pace_alpha = bias_pace_alpha
         self.bias_limits = bias_limits
         self.probe_depth = max(1, min(probe_depth, max_depth)) if max_depth else 0
         if stop_scale < 0:
@@ -1054,7 +1050,6 @@ class AdaptiveController:
         # Each depth's predicted goodput corrected by what its steps measured (see "Bias" in
         # the module docstring): (batch bucket, depth) -> discounted sums.
         self._bias: dict[tuple[int, int], _Bias] = {}
-        self._bias_pace: dict[int, float] = {}   # batch bucket -> recent measured / predicted time (bias_pace_alpha)
         # Their clock: steps served per batch bucket (see "Bias": a bucket's figures fade with
         # its own steps, not with the steps of other loads).
         self._bucket_steps: dict[int, int] = {}
@@ -1664,18 +1659,8 @@ class AdaptiveController:
                     if bias is None:
                         bias = self._bias[key] = _Bias(clock)
                     tokens_pred = planned[2] * B
-                    seconds_pred = tokens_pred / planned[1]
-                    seconds = total_s
-                    if self.bias_pace_alpha > 0:
-                        # Read against the bucket's pace of the last few steps, whichever depth
-                        # ran them: a spell then counts for no depth, and a depth's figure is
-                        # what it measures beside the depths run just before it.
-                        pace = self._bias_pace.get(bucket)
-                        ratio = min(max(total_s / seconds_pred, 0.5), 2.0)
-                        if pace is not None:
-                            seconds = total_s / pace
-                        self._bias_pace[bucket] = ratio if pace is None else pace + self.bias_pace_alpha * (ratio - pace)
-                    bias.add(rate * total_s, tokens_pred, seconds, seconds_pred, clock, self.bias_decay)
+                    bias.add(rate * total_s, tokens_pred, total_s, tokens_pred / planned[1],
+                             clock, self.bias_decay)
                 rate /= planned[1]
             key = (bucket, stats.depth)
             m = self._measured.get(key)

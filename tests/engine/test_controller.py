@@ -1220,33 +1220,6 @@ def test_bias_factors_follow_measured_over_predicted_and_fade():
     assert ctrl.bias_factors(64)[8] > f[8] + 0.05
 
 
-@pytest.mark.parametrize("pace_alpha", [0.0, 0.3])
-def test_a_spell_while_one_depth_runs_is_that_depths_cost_unless_read_against_the_pace(pace_alpha):
-    # Depth 5 runs, then depth 3 runs through a slow spell (every step 1.3x), then depth 5
-    # again: the model is right about both depths. Read against the model alone, the spell is
-    # depth 3's (its factor drops below 0.9, and the plan would keep away from it); read
-    # against the bucket's pace of the last few steps (bias_pace_alpha), the spell counts for
-    # no depth once it has lasted a few steps, and depth 3 keeps a factor near 1.
-    ctrl = calibrated(flat_verify, cheap_draft, probe_interval=0, explore_interval=0,
-                      guard_interval=0, bias_half_life=200, bias_pace_alpha=pace_alpha)
-    ctrl.evaluate = lambda *a, **k: {Plan(d, d): (100.0 * (d + 1), max(d, 1)) for d in range(9)}
-    ids = [f"r{i}" for i in range(64)]
-    for depth, slow, steps in ((5, 1.0, 40), (3, 1.3, 40), (5, 1.0, 40)):
-        ctrl.plan = lambda *a, depth=depth: ctrl._record(Plan(depth, depth))
-        for _ in range(steps):
-            ctrl._planned = (Plan(depth, depth), 100.0 * (depth + 1), depth)
-            seconds = slow * 64 * depth / (100.0 * (depth + 1))
-            ctrl.observe(StepStats(batch_size=64, depth=depth, num_nodes=depth, draft_s=seconds / 4,
-                                   verify_s=seconds * 3 / 4, num_accepted=[depth - 1] * 64, request_ids=ids))
-    f = ctrl.bias_factors(64)
-    if pace_alpha == 0:
-        assert f[3] < 0.9
-    else:
-        assert f[3] > 0.97 and f[5] > 0.97
-    with pytest.raises(ValueError, match="bias_pace_alpha"):
-        AdaptiveController(bias_pace_alpha=2.0)
-
-
 def test_an_error_every_depth_shares_gives_the_plan_in_use_no_edge():
     # The model reads every depth 10% low (the acceptance model a few percent low everywhere,
     # as on the dev CPU at 32 sequences). The plan starts at depth 4, predicted 1.5% below
