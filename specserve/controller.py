@@ -134,18 +134,22 @@ that share does not grow with the rows verified; at 64 sequences of a few hundre
 the CPU it is most of a plain decode pass. Read as a level, that growth would scale every row
 count alike and make speculation look dearer exactly when contexts are long. So the model is::
 
-    t_verify(B, T, C) = row_B(T) + c_B(T / B) * (C - B * C_ref)
-    t_draft(B, d, C)  = draft_B(d) + d * c'_B * (C - B * C_ref)
+    t_verify(B, T, C) = row_B(T) + B * e_B(T / B, C / B)
+    t_draft(B, d, C)  = draft_B(d) + d * B * e'_B(C / B)
 
-with ``c_B(r)``, ``c'_B`` (seconds per context token of a verify pass of ``r`` rows per
-sequence and of one draft level) measured at start-up (the median difference of back-to-back
-passes at two contexts: at high load this term prices most of a pass, and one slow spell over
-a separately timed minimum made it 3x too steep). ``c_B`` is kept per rows since each row
-attends over the whole context: on the dev CPU at 64 sequences the slope of 3-9 rows was
-1.6-2.3x that of one row, and with one slope for all, the rows the plan was not running read
-1.1-1.2x their cost beside the one it ran (the ninth session: adaptive sat at depth 2 at 64
-requests, 0.89x static depth 3). ``C_ref`` is the calibration's context
-per sequence, and the rows and their level holding costs brought to ``C_ref`` (each
+with ``e_B(r, c)``, ``e'_B(c)`` (seconds per sequence that ``c`` tokens of context per sequence
+add over ``C_ref`` to a verify pass of ``r`` rows per sequence and to one draft level) measured
+at start-up at a few contexts (the fastest of interleaved rounds of every pass: a slow spell
+over one of two separately timed passes once made the term 3x too steep), piecewise-linear
+between them. ``e_B`` is kept per rows since each row attends over the whole context: on the
+dev CPU at 64 sequences the slope of 3-9 rows was 1.6-2.3x that of one row, and with one slope
+for all, the rows the plan was not running read 1.1-1.2x their cost beside the one it ran
+(the ninth session: adaptive sat at depth 2 at 64 requests, 0.89x static depth 3). And over
+more than one context, since it is not linear in the context: read off the line from 32 to
+256 tokens, passes at 136 tokens (the sweep's contexts) came out 2.6% dearer at 4 rows than
+at 6-9 at 16 sequences, beside 0.7% with a point at 128 (the twenty-fifth session), a tilt
+toward deep plans of the size that decides between depths near the top. ``C_ref`` is the
+calibration's context per sequence, and the rows and their level holding costs brought to ``C_ref`` (each
 measurement has the context term taken off before it updates them). The engine passes ``C``
 with every plan and every step.
 ``t_step(B)`` is the rest of an engine step (scheduling, bookkeeping, streaming the tokens
@@ -415,15 +419,41 @@ def _interp_points(points: list[_EmaPoint], x: float, xs: list[float] | None = N
     return max(t, 0.1 * points[0].t)
 
 
-def _slope_at(points: list[_EmaPoint], x: float) -> float:
-    """Piecewise-linear through points sorted by x, flat beyond the ends."""
-    if x <= points[0].x:
-        return points[0].t
-    if x >= points[-1].x:
-        return points[-1].t
-    i = bisect.bisect_left([p.x for p in points], x)
-    lo, hi = points[i - 1], points[i]
-    return lo.t + (hi.t - lo.t) * (x - lo.x) / (hi.x - lo.x)
+class _ContextCurves:
+    """What the context adds to a pass at one batch bucket, per rows per sequence: seconds per
+    sequence over the reference context, piecewise-linear in the context per sequence between
+    the contexts measured (on the end segments beyond them) and in the rows between the rows
+    measured (flat beyond them). One slope per rows is the two-context case."""
+
+    __slots__ = ("rows", "contexts", "excess")
+
+    def __init__(self, contexts: list[float], excess: dict[float, list[float]]):
+        self.contexts = contexts                          # sorted; the first is the reference
+        self.rows = sorted(excess)
+        self.excess = [excess[r] for r in self.rows]      # [rows][context]: seconds per sequence
+
+    def at_context(self, context: float) -> list[float]:
+        """Seconds per sequence at `context` tokens per sequence, per rows (as self.rows)."""
+        xs = self.contexts
+        j = min(max(bisect.bisect_right(xs, context), 1), len(xs) - 1)
+        f = (context - xs[j - 1]) / (xs[j] - xs[j - 1])
+        return [e[j - 1] + f * (e[j] - e[j - 1]) for e in self.excess]
+
+    def over_rows(self, values: list[float], rows: float) -> float:
+        """at_context's values read at `rows` rows per sequence."""
+        rs = self.rows
+        if rows <= rs[0]:
+            return values[0]
+        if rows >= rs[-1]:
+            return values[-1]
+        i = bisect.bisect_left(rs, rows)
+        return values[i - 1] + (values[i] - values[i - 1]) * (rows - rs[i - 1]) / (rs[i] - rs[i - 1])
+
+    def mean_slope(self) -> dict[float, float]:
+        """Per rows, seconds per token of context from the reference to the last context
+        measured (the one slope of the two-context case)."""
+        span = self.contexts[-1] - self.contexts[0]
+        return {r: e[-1] / span for r, e in zip(self.rows, self.excess)}
 
 
 def _pool_adjacent_violators(points: list[_EmaPoint]) -> None:
@@ -620,14 +650,15 @@ class CostModel:
         self._draft_rows: dict[int, _Row] = {}                    # batch bucket -> total draft time by depth
         self._overhead: dict[int, _EmaPoint] = {}                 # batch bucket -> (B, t)
         self._verify: dict[int, _Row] = {}                          # batch bucket -> its verify costs
-        # The context term (see the module docstring): batch bucket -> seconds per token of
-        # context (summed over the batch) of a verify pass and of one draft level, measured at
+        # The context term (see the module docstring): batch bucket -> what the context adds
+        # to a verify pass (per rows per sequence) and to one draft level, measured at
         # start-up; the rows hold costs as at `reference_context` tokens per sequence.
-        # A verify pass's slope is kept per rows per sequence (each row attends over the whole
+        # A verify pass's is kept per rows per sequence (each row attends over the whole
         # context: on the dev CPU at 64 sequences, 168 more tokens each added 16 ms to a
-        # one-row pass and 26-38 ms to passes of 3-9 rows); a draft level's is one slope.
-        self._ctx_verify: dict[int, list[_EmaPoint]] = {}   # x: rows per sequence, t: slope
-        self._ctx_draft: dict[int, list[_EmaPoint]] = {}
+        # one-row pass and 26-38 ms to passes of 3-9 rows), and as a curve over the context,
+        # not a slope: see set_context_curves.
+        self._ctx_verify: dict[int, _ContextCurves] = {}
+        self._ctx_draft: dict[int, _ContextCurves] = {}
         self.reference_context = 0
 
     def set_context_slopes(self, batch_size: int, verify_s_per_token: float | dict[int, float],
@@ -639,20 +670,67 @@ class CostModel:
         slopes = verify_s_per_token if isinstance(verify_s_per_token, dict) else {1: verify_s_per_token}
         points = [_EmaPoint(rows, max(0.0, float(s))) for rows, s in sorted(slopes.items())]
         _pool_adjacent_violators(points)
-        self._ctx_verify[b] = points
-        self._ctx_draft[b] = [_EmaPoint(1, max(0.0, float(draft_s_per_token)))]
-        self.reference_context = int(reference_context)
+        ref = int(reference_context)
+        self._ctx_verify[b] = _ContextCurves([ref, ref + 1], {p.x: [0.0, p.t] for p in points})
+        self._ctx_draft[b] = _ContextCurves([ref, ref + 1], {1: [0.0, max(0.0, float(draft_s_per_token))]})
+        self.reference_context = ref
 
-    def _excess_context(self, table: dict[int, list[_EmaPoint]], batch_size: int, context_tokens: int | None,
+    def set_context_curves(self, batch_size: int, verify_s: dict[int, dict[int, float]],
+                           draft_s: dict[int, float] | None, reference_context: int) -> None:
+        """What the context adds, measured at more than one longer context: ``verify_s[rows]
+        [context]`` the seconds a pass of `rows` rows per sequence at `context` tokens per
+        sequence took over the same pass at `reference_context` (at this batch size), every rows
+        at the same contexts; ``draft_s[context]`` the same of one draft level. Read as
+        piecewise-linear in the context (on the end segments beyond the contexts measured),
+        made non-decreasing in the context and in the rows. One slope from the reference to a
+        long context does not do: the cost is not linear in the context (on the dev CPU at 16
+        sequences, a pass at 136 tokens read off the line through 32 and 256 tokens came out
+        3% over at 3-4 rows and 5-6% under at 6-9: deep plans priced cheap beside shallow
+        ones), and the plan compares depths at the contexts it serves."""
+        b = _bucket(batch_size)
+        ref = int(reference_context)
+
+        def curves(table: dict[int, dict[int, float]]) -> _ContextCurves:
+            contexts = sorted({int(c) for per in table.values() for c in per if c > ref})
+            if not contexts or any(set(per) != set(contexts) for per in table.values()):
+                raise ValueError("every rows needs a figure at the same contexts, each past the reference "
+                                 f"({ref}), got {table!r}")
+            excess: dict[float, list[float]] = {}
+            for rows, per in table.items():
+                seq = [0.0]
+                for c in contexts:   # never cheaper at a longer context
+                    seq.append(max(seq[-1], float(per[c]) / b))
+                excess[rows] = seq
+            for j in range(1, len(contexts) + 1):   # nor with more rows at one context
+                points = [_EmaPoint(r, excess[r][j]) for r in sorted(excess)]
+                _pool_adjacent_violators(points)
+                for p in points:
+                    excess[p.x][j] = p.t
+            for seq in excess.values():
+                for j in range(1, len(seq)):
+                    seq[j] = max(seq[j], seq[j - 1])
+            return _ContextCurves([ref] + contexts, excess)
+
+        self._ctx_verify[b] = curves(verify_s)
+        if draft_s:
+            self._ctx_draft[b] = curves({1: draft_s})
+        self.reference_context = ref
+
+    def _excess_context(self, table: dict[int, _ContextCurves], batch_size: int, context_tokens: int | None,
                         rows: float = 1.0) -> float:
         """Seconds the context adds over the reference context (negative below it) to a pass
         of `rows` rows per sequence."""
         if context_tokens is None or not table:
             return 0.0
-        slope = _across_batch_buckets(sorted(table), batch_size, lambda b: _slope_at(table[b], rows))
-        return slope * (context_tokens - batch_size * self.reference_context)
+        B = max(1, batch_size)
+        per_seq = context_tokens / B
 
-    def _strip_context(self, table: dict[int, list[_EmaPoint]], batch_size: int, context_tokens: int | None,
+        def at(b: int) -> float:
+            curves = table[b]
+            return curves.over_rows(curves.at_context(per_seq), rows)
+        return B * _across_batch_buckets(sorted(table), B, at)
+
+    def _strip_context(self, table: dict[int, _ContextCurves], batch_size: int, context_tokens: int | None,
                        seconds: float, levels: int = 1, rows: float = 1.0) -> float:
         """A measurement brought to the reference context (never below a tenth of itself)."""
         adjusted = seconds - levels * self._excess_context(table, batch_size, context_tokens, rows)
@@ -735,15 +813,16 @@ class CostModel:
         if not self._verify:
             return [0.0] * len(token_counts)
         weights = [(self._verify[b], w) for b, w in _bucket_weights(sorted(self._verify), batch_size)]
-        # The context term: its batch buckets looked up once, its slope read per rows.
-        extra = 0.0 if context_tokens is None else context_tokens - batch_size * self.reference_context
-        slopes = ([(self._ctx_verify[b], w) for b, w in _bucket_weights(sorted(self._ctx_verify), batch_size)]
-                  if extra and self._ctx_verify else [])
+        # The context term: its batch buckets and contexts looked up once, read per rows.
+        B = max(1, batch_size)
+        terms = ([(curves, w, curves.at_context(context_tokens / B))
+                  for b, w in _bucket_weights(sorted(self._ctx_verify), B) for curves in (self._ctx_verify[b],)]
+                 if context_tokens is not None and self._ctx_verify else [])
         out = []
         for n in token_counts:
             base = sum(w * row.predict(n) for row, w in weights)
-            rows = n / max(1, batch_size)
-            excess = extra * sum(w * _slope_at(points, rows) for points, w in slopes)
+            rows = n / B
+            excess = B * sum(w * curves.over_rows(values, rows) for curves, w, values in terms)
             out.append(max(0.1 * base, base + excess))
         return out
 
@@ -781,9 +860,15 @@ class CostModel:
                          for b, row in sorted(self._verify.items())},
             "verify_level": {b: row.level for b, row in sorted(self._verify.items())},
             # Per batch bucket: {rows per sequence: seconds per context token} of a verify pass,
-            # and the seconds per context token of one draft level.
-            "verify_s_per_context_token": {b: {int(p.x): p.t for p in pts} for b, pts in sorted(self._ctx_verify.items())},
-            "draft_s_per_context_token": {b: pts[0].t for b, pts in sorted(self._ctx_draft.items())},
+            # and the seconds per context token of one draft level (from the reference context
+            # to the longest measured); and what the context adds per sequence at each context
+            # measured, {rows: {context: seconds}} and {context: seconds}.
+            "verify_s_per_context_token": {b: {int(r): v for r, v in c.mean_slope().items()}
+                                           for b, c in sorted(self._ctx_verify.items())},
+            "draft_s_per_context_token": {b: c.mean_slope()[1] for b, c in sorted(self._ctx_draft.items())},
+            "verify_context_s": {b: {int(r): dict(zip(c.contexts, e)) for r, e in zip(c.rows, c.excess)}
+                                 for b, c in sorted(self._ctx_verify.items())},
+            "draft_context_s": {b: dict(zip(c.contexts, c.excess[0])) for b, c in sorted(self._ctx_draft.items())},
             "reference_context": self.reference_context,
         }
 
@@ -1082,6 +1167,7 @@ class AdaptiveController:
         draft_depths: Sequence[int] = (1, 3, 8),
         measure_context: Callable[[int], tuple[float, float]] | None = None,
         reference_context: int = 0,
+        measure_context_curves: Callable[[int], tuple[dict[int, dict[int, float]], dict[int, float]]] | None = None,
     ) -> None:
         """Warm-start the cost tables: ``measure_verify(batch_size, num_tokens) -> seconds`` of
         one verify pass, ``measure_draft(batch_size) -> seconds`` of one draft step, and
@@ -1089,9 +1175,15 @@ class AdaptiveController:
         as the engine runs them (right after a target pass).
         ``measure_context(batch_size) -> (verify, draft)``: seconds per token of context (summed
         over the batch) of a one-row-per-sequence verify pass and of one draft level; the
-        other measurements are then taken at ``reference_context`` tokens per sequence."""
+        other measurements are then taken at ``reference_context`` tokens per sequence.
+        ``measure_context_curves(batch_size) -> (verify, draft)``, in its place: what longer
+        contexts add, measured at more than one (CostModel.set_context_curves):
+        ``verify[rows][context]`` and ``draft[context]`` seconds over the same pass at
+        ``reference_context``."""
         for b in batch_sizes:
-            if measure_context is not None:
+            if measure_context_curves is not None:
+                self.costs.set_context_curves(b, *measure_context_curves(b), reference_context)
+            elif measure_context is not None:
                 self.costs.set_context_slopes(b, *measure_context(b), reference_context)
             for n in nodes_per_seq:
                 if n > self.max_num_nodes:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -204,12 +205,13 @@ class Speculator:
             return self.controller.stop_below if self.controller is not None else 0.0
         return float(setting)
 
-    def calibrate(self, max_batch_size: int, context: int = 32, long_context: int = 256) -> None:
+    def calibrate(self, max_batch_size: int, context: int = 32,
+                  longer_contexts: Sequence[int] = (128, 256)) -> None:
         """Warm-start the controller's cost tables with dummy forwards (DESIGN.md §6): one
         verify pass per (batch size, nodes per sequence), one draft step per batch size, and
         the draft levels of a whole step at a few depths, all at `context` tokens per sequence;
-        and what each token of context adds to a verify pass and to a draft level, from the
-        same one-row passes at `long_context`.
+        and what the context adds to a verify pass and to a draft level, from the same passes
+        at each of `longer_contexts` tokens per sequence.
         The pool is empty at start-up, so the dummy sequences share its first blocks."""
         if self.controller is None:
             return
@@ -218,9 +220,10 @@ class Speculator:
         max_nodes = self.controller.max_num_nodes
         room = min(engine.pool.num_blocks * block_size, engine.max_model_len) - max_nodes - 1
         context = min(context, room)
-        long_context = min(long_context, room)
         if context < 1:
             return
+        longer = sorted({min(c, room) for c in longer_contexts} - {context})
+        longer = [c for c in longer if c > context]
 
         num_blocks = engine.pool.num_blocks
 
@@ -267,23 +270,28 @@ class Speculator:
                 measured[key] = min(pass_time(runner, inp) for _ in range(3))
             return measured[key]
 
-        def run_rows(runner, batch_size: int, rows: list[int], rounds: int = 3) -> None:
-            """Every row count of one batch size, measured in rounds (each round runs every
-            count once, the order reversed every other round) and read as each count's fastest;
-            run() then answers from these. Timed back to back, a count's passes all fell in
-            whatever spell the machine was in: calibrating twice on the dev CPU, 64 sequences,
-            the step from 3 to 4 rows and from 4 to 5 read 12.5 and 10.1 ms, then 1.1 and 23.4
-            (the true steps: 15-20 ms each), and such a kink is a dip in the predicted goodput
-            that the plan does not cross."""
-            inputs = {r: batch(batch_size, r) for r in rows}
-            for r in rows:   # warm-up
-                pass_time(runner, inputs[r])
-            best = dict.fromkeys(rows, float("inf"))
-            for k in range(rounds):
-                for r in (rows if k % 2 == 0 else rows[::-1]):
-                    best[r] = min(best[r], pass_time(runner, inputs[r]))
+        def run_grid(runner, batch_size: int, rows: list[int], contexts: list[int],
+                     rounds: int = 3) -> dict[tuple[int, int], float]:
+            """Every (rows, context) pass of one batch size, measured in rounds (each round runs
+            every pass once, the order reversed every other round) and read as each one's
+            fastest; run() then answers from those at `context`. Timed back to back, a pass's
+            repeats all fell in whatever spell the machine was in: calibrating twice on the dev
+            CPU, 64 sequences, the step from 3 to 4 rows and from 4 to 5 read 12.5 and 10.1 ms,
+            then 1.1 and 23.4 (the true steps: 15-20 ms each), and such a kink is a dip in the
+            predicted goodput that the plan does not cross. Minima, not one pass less another:
+            a slow spell over one of two passes made a context slope 3x too steep (the sixth
+            session), and more contexts cost passes enough."""
+            keys = [(r, c) for c in contexts for r in rows]
+            inputs = {k: batch(batch_size, *k) for k in keys}
+            for k in keys:   # warm-up
+                pass_time(runner, inputs[k])
+            best = dict.fromkeys(keys, float("inf"))
+            for i in range(rounds):
+                for k in (keys if i % 2 == 0 else keys[::-1]):
+                    best[k] = min(best[k], pass_time(runner, inputs[k]))
             for r in rows:
-                measured[(id(runner), batch_size, r, context)] = best[r]
+                measured[(id(runner), batch_size, r, context)] = best[(r, context)]
+            return best
 
         budget = self.config.scheduler.max_num_batched_tokens  # no step is ever larger
         # Every power-of-two batch bucket gets a row of its own: a bucket first seen online would
@@ -303,45 +311,26 @@ class Speculator:
         measure_draft = (lambda b: run(engine.draft, b, 1)) if self.drafter.has_kv else (lambda b: 1e-5)
         measure_total = draft_levels if self.drafter.has_kv else None
 
-        def context_slopes(b: int, rows: list[int]) -> tuple[dict[int, float], float]:
-            """Seconds per token of context (summed over the batch), of a verify pass per rows
-            per sequence and of a draft level: attention reads every cached token for every
-            row, so at many sequences with long contexts it is a large share of a pass. Without
+        def context_curves(b: int, verify: dict[tuple[int, int], float]
+                           ) -> tuple[dict[int, dict[int, float]], dict[int, float]]:
+            """What the context adds to a verify pass, per rows per sequence, and to one draft
+            level, at each longer context: attention reads every cached token for every row,
+            so at many sequences with long contexts it is a large share of a pass. Without
             this term the whole rise would scale every row count alike (the rows' level), and
             speculation would look dearer than it is exactly at high load. Per rows, since the
-            rise is not one figure: on the dev CPU at 64 sequences, 168 more tokens of context
-            each added 16 ms to a one-row pass, 19 ms to two rows and 26-38 ms to 3-9 rows
-            (with one slope for all, the rows the plan was not running read 1.1-1.2x their cost
-            beside the one it ran, and the plan sat at depth 2 where 3-4 were best)."""
-            if long_context <= context:
-                return {1: 0.0}, 0.0
-            span = b * (long_context - context)
-            # 1, 2, 3, 5, 9, 17, ... rows and the largest (read linearly between them): each
-            # costs a few passes at the long context, which at 64 sequences is most of start-up.
-            rows = [r for r in rows if r <= 3 or (r - 1) & (r - 2) == 0 or r == rows[-1]]
-            verify = {r: max(0.0, paired_difference(engine.target, b, r, 5 if r == 1 else 3) / span) for r in rows}
-            draft = paired_difference(engine.draft, b, 1, 5) / span if self.drafter.has_kv else 0.0
-            return verify, max(0.0, draft)
-
-        def paired_difference(runner, b: int, rows: int, pairs: int) -> float:
-            """Seconds a pass of `rows` rows per sequence at long_context takes over one at
-            context: the median of `pairs` differences of back-to-back passes. At high load
-            this slope prices most of a pass, so it must not be taken from two separate
-            minima: on a shared machine a slow spell over one of them made it 3x too steep (the
-            sixth session's logs: the context term alone then predicted more than a whole
-            measured pass, and every verify row was read as nearly free, deep plans with it)."""
-            short, long = batch(b, rows), batch(b, rows, long_context)
-            if rows == 1:   # warm-up (the passes of more rows come after it; the median takes a cold one)
-                runner.forward(short)[-1, 0].item()
-                runner.forward(long)[-1, 0].item()
-            diffs = []
-            for _ in range(pairs):
-                start = time.perf_counter()
-                runner.forward(short)[-1, 0].item()
-                mid = time.perf_counter()
-                runner.forward(long)[-1, 0].item()
-                diffs.append((time.perf_counter() - mid) - (mid - start))
-            return sorted(diffs)[len(diffs) // 2]
+            rise is not one figure (on the dev CPU at 64 sequences, 168 more tokens of context
+            each added 16 ms to a one-row pass, 19 ms to two rows and 26-38 ms to 3-9 rows);
+            and at more than one context, since it is not linear in the context either (at 16
+            sequences, a pass at 136 tokens read off the line through 32 and 256 tokens was 3%
+            over at 3-4 rows and 5-6% under at 6-9: deep plans priced cheap at the contexts
+            served)."""
+            rows = sorted({r for r, _ in verify})
+            curves = {r: {c: verify[(r, c)] - verify[(r, context)] for c in longer} for r in rows}
+            draft: dict[int, float] = {}
+            if self.drafter.has_kv:
+                levels = run_grid(engine.draft, b, [1], [context] + longer, rounds=5)
+                draft = {c: levels[(1, c)] - levels[(1, context)] for c in longer}
+            return curves, draft
 
         started = time.perf_counter()
         logger.info("controller: measuring step costs at batch sizes %s (start-up calibration)",
@@ -349,13 +338,13 @@ class Speculator:
         for b in sizes:  # one size at a time, so each keeps only the node counts that fit the budget
             fine = b <= fine_batch
             verify_nodes = [n for n in fine_nodes if b * (n + 1) <= budget]
-            run_rows(engine.target, b, [n + 1 for n in verify_nodes])
+            grid = run_grid(engine.target, b, [n + 1 for n in verify_nodes], [context] + longer)
             self.controller.calibrate(
                 lambda b, num_tokens: run(engine.target, b, num_tokens // b), measure_draft,
                 batch_sizes=[b], nodes_per_seq=verify_nodes,
                 measure_draft_total=measure_total if 2 * b <= budget else None,
                 draft_depths=range(1, max_depth + 1) if fine else (1, 3, max_depth),
-                measure_context=lambda b, rows=[n + 1 for n in verify_nodes]: context_slopes(b, rows),
+                measure_context_curves=(lambda b, grid=grid: context_curves(b, grid)) if longer else None,
                 reference_context=context,
             )
             logger.info("controller: batch size %d calibrated (%.1f s so far)", b, time.perf_counter() - started)

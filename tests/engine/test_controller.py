@@ -750,6 +750,71 @@ def test_the_context_slope_is_taken_per_rows_verified():
     assert snap["verify_s_per_context_token"][64] == {1: pytest.approx(rows_ctx_slope(1))}
 
 
+def convex_ctx_verify(batch_size, num_tokens, context_tokens):
+    # The context's cost grows faster the longer it is, and faster for more rows (cache misses
+    # once a pass's context no longer fits): not a line from the reference context.
+    rows, per_seq = num_tokens / batch_size, context_tokens / batch_size
+    return 0.010 + 1e-3 * num_tokens + batch_size * 2e-8 * (1.0 + 0.3 * rows) * per_seq ** 2
+
+
+def convex_calibrated(curves: bool, B: int = 16, rows=(1, 2, 3, 4, 5, 6, 7)) -> AdaptiveController:
+    ctrl = AdaptiveController(max_depth=6)
+    excess = lambda r, c: convex_ctx_verify(B, r * B, B * c) - convex_ctx_verify(B, r * B, B * REF_CTX)  # noqa: E731
+    ctrl.calibrate(
+        lambda b, t: convex_ctx_verify(b, t, b * REF_CTX), lambda b: 1e-3,
+        batch_sizes=[B], nodes_per_seq=[r - 1 for r in rows], reference_context=REF_CTX,
+        # as the engine measures them: the passes at 128 and 256 tokens over the one at 32;
+        # or one slope per rows, from 32 to 256
+        measure_context_curves=(lambda b: ({r: {128: excess(r, 128), 256: excess(r, 256)} for r in rows}, {})
+                                ) if curves else None,
+        measure_context=None if curves else (lambda b: ({r: excess(r, 256) / (B * (256 - REF_CTX)) for r in rows},
+                                                        0.0)),
+    )
+    return ctrl
+
+
+def test_the_context_term_is_read_between_the_contexts_measured():
+    """Where the context's cost is not linear in it, a line from the reference context to a
+    long one misprices the contexts served, and unevenly by rows: at 64-200 tokens a sequence
+    it reads every pass 5-15% dear and deep passes less so (the shape the plan compares
+    depths by tilts by 3-7%). Measured at 128 and 256 too, every pass there is within 4% of
+    the truth and the rows keep their ratios to within 1.6%, less than half the line's tilt."""
+    B, rows = 16, (1, 2, 3, 4, 5, 6, 7)
+    errors = {}
+    for curves in (True, False):
+        ctrl = convex_calibrated(curves, B, rows)
+        errors[curves] = {c: [ctrl.costs.t_verify(B, r * B, B * c) / convex_ctx_verify(B, r * B, B * c) - 1
+                              for r in rows] for c in (64, 80, 100, 136, 200)}
+    for c, e in errors[True].items():
+        line = errors[False][c]
+        tilt, line_tilt = max(e) - min(e), max(line) - min(line)
+        assert max(abs(x) for x in e) < 0.04 and tilt < 0.02, (c, e)
+        assert min(line) > 0.04 and line_tilt > 2 * tilt, (c, line, e)
+
+
+def test_context_curves_never_read_cheaper_for_a_longer_context_or_more_rows():
+    """Calibration noise that has a longer context or more rows measure cheaper is read as
+    flat, never as a pass that gets cheaper; contexts that differ by rows are refused."""
+    costs = CostModel()
+    costs.set_context_curves(16, {1: {128: 0.016, 256: 0.012}, 2: {128: 0.008, 256: 0.040}},
+                             {128: 0.001, 256: 0.0005}, 32)
+    snap = costs.snapshot()
+    one, two = snap["verify_context_s"][16][1], snap["verify_context_s"][16][2]
+    # per sequence: 2 rows' cheaper figure at 128 pooled with 1 row's; 1 row's at 256 held at
+    # what it measured at 128
+    assert one[32] == two[32] == 0.0 and one[128] == two[128] == pytest.approx((0.016 + 0.008) / 2 / 16)
+    assert one[256] == pytest.approx(0.016 / 16) and two[256] == pytest.approx(0.040 / 16)
+    assert snap["draft_context_s"][16] == {32: 0.0, 128: 0.001 / 16, 256: 0.001 / 16}
+    assert list(snap["verify_s_per_context_token"][16].values()) == sorted(snap["verify_s_per_context_token"][16].values())
+    # read between and beyond the contexts measured, for the whole batch
+    per_seq = [one[32], one[128], two[256]]
+    assert costs._excess_context(costs._ctx_verify, 16, 16 * 80, rows=1) == pytest.approx(16 * per_seq[1] * 48 / 96)
+    assert costs._excess_context(costs._ctx_verify, 16, 16 * 384, rows=2) == pytest.approx(
+        16 * (per_seq[2] + (per_seq[2] - two[128]) * 128 / 128))
+    with pytest.raises(ValueError, match="same contexts"):
+        costs.set_context_curves(16, {1: {128: 0.01}, 2: {128: 0.01, 256: 0.02}}, None, 32)
+
+
 def test_speculates_at_high_load_with_long_contexts_when_it_pays():
     """64 sequences with 300 tokens of context each, after a spell of plain decoding (as
     after a guard hold, or a cell of a sweep): speculation at depth 2 yields ~1.3x plain

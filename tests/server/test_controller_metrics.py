@@ -84,7 +84,15 @@ def test_steps_carry_their_context_and_calibration_measured_its_cost(adaptive_se
     snap = ctrl.costs.snapshot()
     assert snap["reference_context"] == 32
     assert 1 in snap["verify_s_per_context_token"] and 1 in snap["draft_s_per_context_token"]
-    # per rows per sequence: 1, 2, 3, 5, 9 and the largest measured, none negative
+    # per rows per sequence (every one measured), none negative
     slopes = snap["verify_s_per_context_token"][1]
     assert {1, 2, 3, 5} <= set(slopes) and all(v >= 0 for v in slopes.values())
     assert list(slopes.values()) == sorted(slopes.values())   # more rows never read the context for less
+    # measured at two longer contexts than the reference (the curve is read between them),
+    # every rows there, never cheaper for a longer context
+    contexts = {c for per in snap["verify_context_s"][1].values() for c in per}
+    assert len(contexts) == 3 and min(contexts) == 32
+    assert snap["verify_context_s"][1].keys() == slopes.keys()
+    for per in snap["verify_context_s"][1].values():
+        assert list(per.values()) == sorted(per.values()) and per[32] == 0.0
+    assert len(snap["draft_context_s"][1]) == 3
