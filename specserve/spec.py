@@ -278,9 +278,10 @@ class Speculator:
             repeats all fell in whatever spell the machine was in: calibrating twice on the dev
             CPU, 64 sequences, the step from 3 to 4 rows and from 4 to 5 read 12.5 and 10.1 ms,
             then 1.1 and 23.4 (the true steps: 15-20 ms each), and such a kink is a dip in the
-            predicted goodput that the plan does not cross. Minima, not one pass less another:
-            a slow spell over one of two passes made a context slope 3x too steep (the sixth
-            session), and more contexts cost passes enough."""
+            predicted goodput that the plan does not cross. The contexts share the rounds, so
+            a spell lifts a round's passes together and each pass's fastest escapes it: the
+            sixth session's slope, from two minima timed one after the other, came out 3x too
+            steep under one spell."""
             keys = [(r, c) for c in contexts for r in rows]
             inputs = {k: batch(batch_size, *k) for k in keys}
             for k in keys:   # warm-up
