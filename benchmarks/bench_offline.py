@@ -15,13 +15,13 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from benchmarks.runinfo import git_commit
 from specserve import LLM, SamplingParams
 from specserve.config import ASSETS_DIR
 
@@ -95,7 +95,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     thread_counts = args.threads or [torch.get_num_threads()]
     hf = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     hf_draft = None

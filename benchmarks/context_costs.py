@@ -1,12 +1,12 @@
 """The start-up calibration's verify costs against the passes themselves, by rows and context.
 
     python -m benchmarks.context_costs [--config FILE] [--batch-sizes 16 32]
-        [--contexts 32 80 136 200] [--rounds 5] [--cpu-threads 1] [--out F.json] [--plot F.png]
+        [--contexts 32 80 136 200] [--rounds 9] [--cpu-threads 1] [--out F.json] [--plot F.png]
 
 One engine is built as the server builds it (adaptive mode: the start-up calibration runs),
 then every verify pass of `--batch-sizes` sequences with 1..max_depth+1 rows each, at each of
 `--contexts` tokens of context per sequence, is timed in interleaved rounds (each round runs
-every rows once per context, the order reversed every other round; the median is kept) and
+every rows at every context once, the order reversed every other round; the median is kept) and
 set beside what the calibrated cost model says the same pass costs (`t_verify` with the same
 context). The same process times both, so the machine's pace is common to them.
 
@@ -20,14 +20,14 @@ measure, the plan runs deeper than the best depth.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from benchmarks.runinfo import emit, git_commit
 
 
 def measure(llm, batch_sizes: list[int], contexts: list[int], rounds: int, progress: bool = True) -> dict:
@@ -55,25 +55,29 @@ def measure(llm, batch_sizes: list[int], contexts: list[int], rounds: int, progr
         return time.perf_counter() - start
 
     out = {"batch_sizes": {}, "contexts": contexts, "rows": list(range(1, max_rows + 1)), "rounds": rounds}
-    bar = tqdm(total=len(batch_sizes) * len(contexts), desc="passes timed", disable=not progress)
+    bar = tqdm(total=len(batch_sizes) * rounds, desc="rounds timed", disable=not progress)
     with torch.inference_mode():
         for b in batch_sizes:
+            rows = out["rows"]
+            keys = [(r, c) for c in contexts for r in rows]
+            inputs = {k: batch(b, *k) for k in keys}
+            for k in keys:   # warm-up
+                timed(inputs[k])
+            times = {k: [] for k in keys}
+            # Every pass of a round, all contexts together: a spell of the machine lifts a
+            # round, not one context's passes (timed context after context, the first version
+            # read one context 10-20% off the others from one run to the next).
+            for i in range(rounds):
+                for k in (keys if i % 2 == 0 else keys[::-1]):
+                    times[k].append(timed(inputs[k]))
+                bar.update()
             per_ctx = {}
             for ctx in contexts:
-                rows = out["rows"]
-                inputs = {r: batch(b, r, ctx) for r in rows}
-                for r in rows:   # warm-up
-                    timed(inputs[r])
-                times = {r: [] for r in rows}
-                for k in range(rounds):
-                    for r in (rows if k % 2 == 0 else rows[::-1]):
-                        times[r].append(timed(inputs[r]))
-                measured = [statistics.median(times[r]) for r in rows]
+                measured = [statistics.median(times[(r, ctx)]) for r in rows]
                 predicted = [costs.t_verify(b, r * b, b * ctx) for r in rows]
                 ratio = [p / m for p, m in zip(predicted, measured)]
                 per_ctx[ctx] = {"measured_s": measured, "predicted_s": predicted, "predicted_over_measured": ratio,
                                 "tilt": max(ratio) - min(ratio)}
-                bar.update()
             out["batch_sizes"][b] = per_ctx
     bar.close()
     return out
@@ -121,7 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default=None, help="TOML config (default: the embedded pair)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 32])
     ap.add_argument("--contexts", type=int, nargs="+", default=[32, 80, 136, 200])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--cpu-threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     ap.add_argument("--plot", default=None, help="draw predicted / measured by rows into this PNG")
@@ -134,13 +138,8 @@ def main(argv=None) -> int:
     llm = LLM(args.config, progress=not args.no_progress, max_num_seqs=max(args.batch_sizes),
               cpu_threads=args.cpu_threads, spec_mode="adaptive")
     res = measure(llm, args.batch_sizes, args.contexts, args.rounds, progress=not args.no_progress)
-    res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                   text=True).stdout.strip()
-    print(report(res))
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
-    if args.plot:
-        print(f"plot: {plot(res, Path(args.plot))}")
+    res["commit"] = git_commit()
+    emit(res, report(res), args.out, args.plot, plot)
     return 0
 
 

@@ -30,11 +30,12 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from benchmarks.runinfo import git_commit
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "heldout_prompts.jsonl"
 
@@ -268,13 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(llm, load_prompts(args.num_prompts), depths, args.block,
                      args.min_batch if args.min_batch is not None else max(1, (3 * args.batch_size) // 4),
                      args.max_tokens, progress=not args.no_progress)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip() or None
-    except OSError:
-        commit = None
     result.update(batch_size=args.batch_size, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-                  block=args.block, config=args.config or "embedded pair", commit=commit,
+                  block=args.block, config=args.config or "embedded pair", commit=git_commit(),
                   machine=platform.platform(), processor=platform.processor())
     print(format_table(result["depths"]))
     print(f"{result['steps']} steps in {result['seconds']:.1f} s")

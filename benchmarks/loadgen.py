@@ -22,7 +22,6 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+
+from benchmarks.runinfo import git_commit
 
 SPEC_COUNTERS = {
     "specserve_spec_num_drafts_total": "num_drafts",
@@ -298,14 +299,6 @@ async def stream_request(session: aiohttp.ClientSession, url: str, payload: dict
 
 
 # ------------------------------------------------------------------------- the run
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 async def run_benchmark(args: argparse.Namespace, prompts: list[str]) -> dict:
     from tqdm.asyncio import tqdm
 

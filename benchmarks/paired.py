@@ -33,13 +33,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
 from tqdm import tqdm
+
+from benchmarks.runinfo import emit, git_commit
 
 from specserve import LLM, SamplingParams
 
@@ -221,13 +222,8 @@ def main(argv=None) -> int:
         prompts = held_out_prompts(args.prompts or 4 * args.concurrency, args.prompt_tokens, llm.tokenizer)
         res = run(llm, args.settings, args.rounds, prompts, args.max_tokens, args.concurrency, log,
                   progress=not args.no_progress)
-    res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                   text=True).stdout.strip()
-    print(report(res))
-    if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
-    if args.plot:
-        print(f"plot: {plot(res, Path(args.plot))}")
+    res["commit"] = git_commit()
+    emit(res, report(res), args.out, args.plot, plot)
     return 0
 
 
