@@ -170,9 +170,13 @@ def _logit(p: float) -> float:
 def run(env: Environment, setting: str, knobs: dict, seed: int, steps: int, max_tokens: int = 64,
         part_sd: float = 0.05, draft_standin: float = 0.7,
         calibration_sd: float = 0.05, pace_sd: float = 0.11, warmup_steps: int = 50,
-        prefill_share: float = 0.0, empty_steps: float = 0.0) -> dict:
+        prefill_share: float = 0.0, empty_steps: float = 0.0,
+        calibration_step: tuple[int, float] | None = None) -> dict:
     """One run of `steps` engine steps. setting: "adaptive" (with `knobs` as constructor
-    arguments), "none" or "staticD". Returns tokens, seconds, and the steps' depths."""
+    arguments), "none" or "staticD". calibration_step (n, f): the start-up calibration reads
+    the verify passes of n nodes a sequence and more f times their cost (a step in the rows
+    read flat or steep, as the server's calibration reads the one from four rows to five).
+    Returns tokens, seconds, and the steps' depths."""
     B, max_depth = env.batch_size, env.max_depth
     pace = Pace(random.Random(seed * 7919 + 1), sd=pace_sd)
     draws = random.Random(seed * 7919 + 2)   # acceptance: the same requests for every setting
@@ -191,7 +195,8 @@ def run(env: Environment, setting: str, knobs: dict, seed: int, steps: int, max_
         return 0.25 + 0.75 * b / B
 
     # The engine calibrates every power-of-two batch size; here B and the bucket below it.
-    rows = lambda n: env.verify[min(n, max_depth)]   # noqa: E731  (n nodes per sequence)
+    step_at, step_f = calibration_step or (max_depth + 1, 1.0)
+    rows = lambda n: env.verify[min(n, max_depth)] * (step_f if n >= step_at else 1.0)   # noqa: E731  (n nodes a sequence)
     ctrl.calibrate(lambda b, t: noisy(at(b) * rows(t // b - 1), calibration_sd, cal),
                    lambda b: noisy(at(b) * draft_standin * env.draft[1], calibration_sd, cal),
                    batch_sizes=sorted({max(1, B // 2), B}), nodes_per_seq=range(max_depth + 1),
@@ -297,7 +302,7 @@ def run(env: Environment, setting: str, knobs: dict, seed: int, steps: int, max_
 
 def compare(env: Environment, settings: dict[str, dict], seeds: int, steps: int, pace_sd: float = 0.11,
             progress: str | None = None, prefill_share: float = 0.0, empty_steps: float = 0.0,
-            calibration_sd: float = 0.05) -> dict:
+            calibration_sd: float = 0.05, calibration_step: tuple[int, float] | None = None) -> dict:
     """Every static depth of the environment and every adaptive setting ({name: knobs}) over
     the same `seeds`. Returns {"static": {name: [tok/s per seed]}, "adaptive": {name: [...]},
     "best": the static setting of highest mean, "ratios": {name: (geometric mean of the
@@ -307,11 +312,11 @@ def compare(env: Environment, settings: dict[str, dict], seeds: int, steps: int,
     for seed in range(seeds):
         for name in statics:
             r = run(env, name, {}, seed, steps, pace_sd=pace_sd, prefill_share=prefill_share,
-                    empty_steps=empty_steps, calibration_sd=calibration_sd)
+                    empty_steps=empty_steps, calibration_sd=calibration_sd, calibration_step=calibration_step)
             out["static"][name].append(r["tokens"] / r["seconds"])
         for name, knobs in settings.items():
             r = run(env, "adaptive", knobs, seed, steps, pace_sd=pace_sd, prefill_share=prefill_share,
-                    empty_steps=empty_steps, calibration_sd=calibration_sd)
+                    empty_steps=empty_steps, calibration_sd=calibration_sd, calibration_step=calibration_step)
             out["adaptive"][name].append(r["tokens"] / r["seconds"])
             for d in r["depths"]:
                 out["depths"][name][d] = out["depths"][name].get(d, 0) + 1
@@ -349,8 +354,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibration-sd", type=float, default=0.05,
                    help="sd of the log error of each start-up calibration point (the server's verify "
                         "shape at 16-32 requests stood 5-19%% off the fixed depths', twenty-fourth session)")
+    p.add_argument("--calibration-step", metavar="NODES:FACTOR",
+                   help="the calibration reads verify passes of NODES nodes a sequence and more FACTOR times "
+                        "their cost (4:0.94: the step from four rows to five read 6%% flat, as the server's "
+                        "calibration reads it at 16 requests, twenty-sixth session)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
+    calibration_step = None
+    if args.calibration_step:
+        try:
+            nodes, factor = args.calibration_step.split(":")
+            calibration_step = (int(nodes), float(factor))
+        except ValueError:
+            p.error(f"--calibration-step: NODES:FACTOR (e.g. 4:0.94), got {args.calibration_step!r}")
 
     from benchmarks.serve_knobs import parse_knobs
     from benchmarks.step_report import cells_of, depth_costs
@@ -368,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         env = environment_from_costs(conc, fixed)
         res = compare(env, settings, args.seeds, args.steps, args.pace_sd, progress=f"{conc} requests",
                       prefill_share=args.prefill_share, empty_steps=args.empty_steps,
-                      calibration_sd=args.calibration_sd)
+                      calibration_sd=args.calibration_sd, calibration_step=calibration_step)
         report[conc] = res
         means = {s: sum(v) / len(v) for s, v in res["static"].items()}
         print(f"{conc} requests ({args.seeds} seeds x {args.steps} steps, pace sd {args.pace_sd}, "

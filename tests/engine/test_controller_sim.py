@@ -74,6 +74,17 @@ def test_calibration_error_reaches_the_adaptive_controller_only():
             != run(env, "adaptive", {}, seed=2, steps=100, calibration_sd=0.0))
 
 
+def test_a_calibration_step_reaches_the_controller_at_the_rows_it_names():
+    env = environment_from_costs(32, COSTS)
+    # Read past depth 8 (no pass has that many rows): nothing changes; at 4 nodes a sequence
+    # (the step from four rows to five read 10% flat) the controller plans on other costs.
+    base = run(env, "adaptive", {}, seed=2, steps=150, calibration_sd=0.0)
+    assert run(env, "adaptive", {}, seed=2, steps=150, calibration_sd=0.0, calibration_step=(9, 0.5)) == base
+    assert run(env, "adaptive", {}, seed=2, steps=150, calibration_sd=0.0, calibration_step=(4, 0.9)) != base
+    assert (run(env, "static4", {}, seed=2, steps=100, calibration_step=(4, 0.9))
+            == run(env, "static4", {}, seed=2, steps=100))
+
+
 def test_on_a_steady_host_the_controller_finds_the_best_depth():
     env = environment_from_costs(32, COSTS)
     res = compare(env, {"adaptive": {}, "restless": {"explore_interval": 2}}, seeds=2, steps=300, pace_sd=0.0)
@@ -136,3 +147,8 @@ def test_main_replays_a_sweeps_step_logs(tmp_path, capsys):
     assert len(res["adaptive"]["adaptive"]) == 2
     with pytest.raises(SystemExit, match="no result file"):
         main([str(tmp_path / "empty"), "--concurrency", "8"])
+    assert main([str(tmp_path), "--concurrency", "8", "--seeds", "1", "--steps", "60",
+                 "--calibration-step", "4:0.94"]) == 0
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--concurrency", "8", "--calibration-step", "four"])
+    assert "--calibration-step: NODES:FACTOR" in capsys.readouterr().err
