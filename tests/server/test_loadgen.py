@@ -560,6 +560,22 @@ def test_sweep_warms_servers_up_at_its_largest_concurrency():
     args = loadgen.make_parser().parse_args(sweep.warmup_args("http://h:1", "m", 8, [1, 2], []))
     assert args.max_concurrency == 2 and args.num_prompts == 8
 
+
+def test_sweep_warm_up_sends_every_prompt_of_a_prompts_file(tmp_path):
+    """Cells draw their prompts from the file, the same for every setting of a round: sent once
+    before, each is a prefix-cache hit for every setting, not for all but the first."""
+    from benchmarks import sweep
+
+    small, large = tmp_path / "small.jsonl", tmp_path / "large.jsonl"
+    small.write_text("".join(json.dumps(f"prompt {i}") + "\n" for i in range(100)))
+    large.write_text("".join(json.dumps(f"prompt {i}") + "\n" for i in range(2000)))
+    argv = sweep.warmup_args("http://h:1", "m", 8, [16, 32], ["--prompts-file", str(small), "--max-tokens", "4"])
+    args = loadgen.make_parser().parse_args(argv)
+    assert args.num_prompts == 100 and args.max_concurrency == 32 and args.prompts_file == str(small)
+    assert len(loadgen.select_prompts(args)) == 100 == len(set(loadgen.select_prompts(args)))
+    argv = sweep.warmup_args("http://h:1", "m", 8, [16, 32], ["--prompts-file", str(large)])
+    assert loadgen.make_parser().parse_args(argv).num_prompts == sweep.WARMUP_MAX_PROMPTS
+
 def test_sweep_report_names_a_round_that_has_not_finished(tmp_path):
     from benchmarks import sweep_report
 
