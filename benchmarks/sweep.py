@@ -111,6 +111,19 @@ def switch_setting(base_url: str, setting: str) -> dict:
             from None
 
 
+def reset_prefix_cache(base_url: str) -> dict:
+    """POST /admin/reset_prefix_cache on a server started with --admin-api (--cold-prompts)."""
+    req = urllib.request.Request(base_url + "/admin/reset_prefix_cache", data=b"{}", method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"resetting the prefix cache of {base_url}: HTTP {e.code} "
+                           f"{e.read().decode(errors='replace')} (--cold-prompts needs servers with "
+                           "--admin-api, of a revision that has POST /admin/reset_prefix_cache)") from None
+
+
 def wait_healthy(base_url: str, proc: subprocess.Popen | None, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -211,6 +224,11 @@ def main(argv=None):
     p.add_argument("--warmup-requests", type=int, default=8,
                    help="requests sent to each server before the measured runs (not recorded), at least "
                         "one per unit of the largest concurrency, sent at that concurrency")
+    p.add_argument("--cold-prompts", action="store_true",
+                   help="empty each server's prefix cache before every cell (POST /admin/reset_prefix_cache; "
+                        "the servers the sweep starts get --admin-api): every cell prefills its prompts "
+                        "whole, as distinct users' prompts are, instead of finding the ones an earlier "
+                        "cell sent cached")
     p.add_argument("--base-url", action="append", default=[], metavar="LABEL=URL",
                    help="use an already running server per setting instead of starting one")
     p.add_argument("--port", type=int, default=8765)
@@ -298,6 +316,8 @@ def main(argv=None):
             flags = SETTINGS["adaptive"] + " --admin-api"
         else:
             flags = SETTINGS.get(setting, SETTINGS["adaptive"])   # a variant: its own adaptive controller
+            if args.cold_prompts:
+                flags += " --admin-api"
         if args.step_logs:
             flags += " --step-log " + shlex.quote(str((out / f"steps_{setting}{suffix}.jsonl").resolve()))
         return flags
@@ -316,6 +336,8 @@ def main(argv=None):
         print(f"== {setting} concurrency {conc}", file=sys.stderr)
         if setting in shared:
             switch_setting(base, setting)
+        if args.cold_prompts:
+            reset_prefix_cache(base)
         return loadgen.main(lg + extra)
 
     def warm_up(setting: str, base: str) -> None:

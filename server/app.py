@@ -488,6 +488,19 @@ async def handle_set_speculation(request: web.Request) -> web.Response:
     return web.Response(body=_json.encode(setting), content_type="application/json")
 
 
+async def handle_reset_prefix_cache(request: web.Request) -> web.Response:
+    """POST /admin/reset_prefix_cache: the prefix cache's blocks no running request holds are
+    dropped, so the next prompts are prefilled whole (a benchmark's cells on equal footing:
+    `benchmarks/sweep.py --cold-prompts`). 200 with {"dropped_blocks": n}."""
+    state = request.app[STATE]
+    _check_serving(state)
+    try:
+        dropped = await state.async_engine.reset_prefix_cache()
+    except EngineDeadError as e:
+        raise ApiError(503, str(e), type="service_unavailable") from None
+    return web.Response(body=_json.encode({"dropped_blocks": dropped}), content_type="application/json")
+
+
 @web.middleware
 async def _errors(request: web.Request, handler):
     """Errors as JSON, never a stack trace: aiohttp's own 404/405 included."""
@@ -540,6 +553,7 @@ def create_app(engine: LLMEngine, cfg: EngineConfig) -> web.Application:
     if cfg.server.admin_api:
         app.router.add_get("/admin/speculation", handle_get_speculation)
         app.router.add_post("/admin/speculation", handle_set_speculation)
+        app.router.add_post("/admin/reset_prefix_cache", handle_reset_prefix_cache)
     return app
 
 

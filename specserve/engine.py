@@ -241,6 +241,14 @@ class LLMEngine:
         logger.info("speculation set to %s", setting)
         return setting
 
+    def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache's blocks no running request holds (they become free blocks;
+        running requests keep theirs): the next prompts are prefilled whole. Returns how many
+        blocks were dropped."""
+        dropped = self.pool.reset_prefix_cache()
+        logger.info("prefix cache reset: %d blocks dropped", dropped)
+        return dropped
+
     # -- one step ------------------------------------------------------------------------
 
     def idle(self) -> None:
@@ -525,6 +533,15 @@ class AsyncEngine:
             raise result
         return result
 
+    async def reset_prefix_cache(self) -> int:
+        """LLMEngine.reset_prefix_cache on the engine thread, between two steps."""
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running: {self.error!r}")
+        done = self._loop.create_future()
+        self._commands.put(("reset_prefix_cache", None, done, None))
+        self._wake.set()
+        return await self._answer(done)
+
     async def _answer(self, future: asyncio.Future):
         """The engine thread's answer to a command. Polling: an engine that stops before
         draining the command must not hang the caller."""
@@ -556,6 +573,8 @@ class AsyncEngine:
                 except Exception as e:   # a bad setting is the caller's error, never the engine's
                     result = e
                 self._loop.call_soon_threadsafe(_resolve, done, result)
+            elif kind == "reset_prefix_cache":
+                self._loop.call_soon_threadsafe(_resolve, done, self.engine.reset_prefix_cache())
 
     def _run(self) -> None:
         try:

@@ -224,3 +224,40 @@ def test_knob_controllers_take_turns_with_adaptive_in_one_server(admin_server, r
             serve_knobs.parse_knobs([bad])
     with pytest.raises(ValueError, match="bias_half_life"):
         serve_knobs.knob_controller(start, {"bias_half_life": -1})
+
+
+def _post_reset(srv) -> tuple[int, dict]:
+    req = urllib.request.Request(srv.base + "/admin/reset_prefix_cache", data=b"{}", method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_reset_prefix_cache_makes_the_next_prompt_prefill_whole(admin_server, server):
+    """POST /admin/reset_prefix_cache (what `sweep --cold-prompts` sends before each cell):
+    the finished requests' cached blocks go, the next identical prompt is prefilled whole and
+    its output is the same. Off without --admin-api."""
+    assert _post_reset(server)[0] == 404
+    srv = admin_server
+    pool = srv.engine.pool
+    client = srv.client()
+    model = client.models.list().data[0].id
+    prompt = "Once upon a time " * 12   # several full KV blocks
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+    assert wait_until(lambda: pool.num_free_blocks == pool.num_blocks)
+    cached = pool.num_evictable_blocks
+    assert cached > 0
+    hits = pool.prefix_cache_hit_tokens
+    assert _post_reset(srv) == (200, {"dropped_blocks": cached})
+    assert pool.num_cached_blocks == 0 and pool.num_free_blocks == pool.num_blocks
+    again = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+    assert again == first
+    assert pool.prefix_cache_hit_tokens == hits   # nothing of it was found cached
+    # Without a reset the same prompt is a hit.
+    assert wait_until(lambda: pool.num_free_blocks == pool.num_blocks)
+    client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    assert pool.prefix_cache_hit_tokens > hits
+    pool.check_consistency()

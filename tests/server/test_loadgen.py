@@ -485,14 +485,12 @@ def test_sweep_restarts_its_servers_every_round_when_asked(tmp_path):
     assert not any("--step-log" in line for line in kept)
 
 
-def test_sweep_one_process_switches_one_server_between_settings(tmp_path):
-    """--one-process: adaptive and the static depths are one server per round, switched by
-    POST /admin/speculation before each of their cells; none keeps a server of its own."""
+def _fake_sweep_server(tmp_path):
+    """A server script for sweep.main's --server-cmd that notes '<pid> start <args>', '<pid>
+    serve <setting>' per completion and '<pid> reset' per prefix-cache reset in a log file;
+    the admin routes only with --admin-api. Returns (script, log, a free port)."""
     import socket
-    import sys
     from pathlib import Path
-
-    from benchmarks import sweep
 
     root = Path(__file__).resolve().parents[2]
     log = tmp_path / "log"
@@ -518,12 +516,27 @@ def test_sweep_one_process_switches_one_server_between_settings(tmp_path):
         "app.router.add_post('/v1/completions', complete)\n"
         "app.router.add_get('/metrics', metrics_route)\n"
         "app.router.add_get('/health', health)\n"
+        "async def reset(request):\n"
+        "    note('reset')\n"
+        "    return web.json_response({'dropped_blocks': 0})\n"
         "if '--admin-api' in sys.argv:\n"
         "    app.router.add_post('/admin/speculation', switch)\n"
+        "    app.router.add_post('/admin/reset_prefix_cache', reset)\n"
         "web.run_app(app, host='127.0.0.1', port=int(sys.argv[1]), print=None)\n")
     with socket.socket() as a:
         a.bind(("127.0.0.1", 0))
         port = a.getsockname()[1]
+    return script, log, port
+
+
+def test_sweep_one_process_switches_one_server_between_settings(tmp_path):
+    """--one-process: adaptive and the static depths are one server per round, switched by
+    POST /admin/speculation before each of their cells; none keeps a server of its own."""
+    import sys
+
+    from benchmarks import sweep
+
+    script, log, port = _fake_sweep_server(tmp_path)
     sweep.main(["--model", "m", "--server-cmd", f"{sys.executable} {script} {{port}} {{overrides}}",
                 "--settings", "none", "static1", "adaptive", "static3", "--port", str(port), "--concurrency", "1", "2",
                 "--interleave", "--rounds", "2", "--restart-per-round", "--one-process", "--warmup-requests", "1",
@@ -547,6 +560,31 @@ def test_sweep_one_process_switches_one_server_between_settings(tmp_path):
             assert cell["metrics"]["num_completed"] == 2 and cell["config"]["label"] == setting
     with pytest.raises(SystemExit):
         sweep.main(["--model", "m", "--one-process", "--settings", "adaptive", "--out-dir", str(tmp_path / "x")])
+
+
+def test_sweep_cold_prompts_empties_the_prefix_cache_before_every_cell(tmp_path):
+    """--cold-prompts: each server (started with --admin-api, the one of none too) gets POST
+    /admin/reset_prefix_cache before every cell it serves, so no cell finds an earlier one's
+    prompts cached."""
+    import sys
+
+    from benchmarks import sweep
+
+    script, log, port = _fake_sweep_server(tmp_path)
+    sweep.main(["--model", "m", "--server-cmd", f"{sys.executable} {script} {{port}} {{overrides}}",
+                "--settings", "none", "adaptive", "static2", "--port", str(port), "--concurrency", "1", "2",
+                "--interleave", "--rounds", "1", "--one-process", "--warmup-requests", "1", "--cold-prompts",
+                "--out-dir", str(tmp_path / "out"), "--", "--num-prompts", "2", "--no-progress"])
+    lines = [line.split(maxsplit=1) for line in log.read_text().splitlines()]
+    starts = {pid: rest for pid, rest in lines if rest.startswith("start")}
+    assert len(starts) == 2 and all("--admin-api" in rest for rest in starts.values())
+    for pid in starts:
+        events = [rest.split()[0] for p, rest in lines if p == pid and rest.split()[0] in ("reset", "serve")]
+        # The warm-up's requests, then per cell a reset followed by its requests (2 each).
+        cells = 2 if "--draft-kind none" in starts[pid] else 4
+        assert events.count("reset") == cells
+        first_reset = events.index("reset")
+        assert events[first_reset:] == ["reset", "serve", "serve"] * cells
 
 
 def test_sweep_warms_servers_up_at_its_largest_concurrency():
