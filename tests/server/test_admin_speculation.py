@@ -16,9 +16,9 @@ from specserve.engine import LLMEngine
 from tests.server.conftest import ServerThread, engine_config, wait_until
 
 
-def _post(srv, body, raw: bytes | None = None) -> tuple[int, dict]:
+def _post(srv, body, raw: bytes | None = None, path: str = "/admin/speculation") -> tuple[int, dict]:
     data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(srv.base + "/admin/speculation", data=data, method="POST",
+    req = urllib.request.Request(srv.base + path, data=data, method="POST",
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req) as r:
@@ -227,13 +227,7 @@ def test_knob_controllers_take_turns_with_adaptive_in_one_server(admin_server, r
 
 
 def _post_reset(srv) -> tuple[int, dict]:
-    req = urllib.request.Request(srv.base + "/admin/reset_prefix_cache", data=b"{}", method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return _post(srv, {}, path="/admin/reset_prefix_cache")
 
 
 def test_reset_prefix_cache_makes_the_next_prompt_prefill_whole(admin_server, server):
