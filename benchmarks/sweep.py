@@ -94,6 +94,17 @@ def export_revision(rev: str, dest: Path) -> Path:
     return dest
 
 
+def _post_admin(base_url: str, path: str, body: dict, what: str) -> dict:
+    """POST `body` to an admin route; an HTTP error becomes a RuntimeError saying `what` failed."""
+    req = urllib.request.Request(base_url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{what}: HTTP {e.code} {e.read().decode(errors='replace')}") from None
+
+
 def switch_setting(base_url: str, setting: str) -> dict:
     """POST /admin/speculation on a server started with --admin-api: 'staticN', or 'adaptive' or
     a knob setting's name (served by benchmarks.serve_knobs)."""
@@ -101,27 +112,14 @@ def switch_setting(base_url: str, setting: str) -> dict:
         body = {"mode": "static", "depth": int(setting[6:])}
     else:
         body = {"mode": setting}
-    req = urllib.request.Request(base_url + "/admin/speculation", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(f"switching {base_url} to {setting}: HTTP {e.code} {e.read().decode(errors='replace')}") \
-            from None
+    return _post_admin(base_url, "/admin/speculation", body, f"switching {base_url} to {setting}")
 
 
 def reset_prefix_cache(base_url: str) -> dict:
     """POST /admin/reset_prefix_cache on a server started with --admin-api (--cold-prompts)."""
-    req = urllib.request.Request(base_url + "/admin/reset_prefix_cache", data=b"{}", method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(f"resetting the prefix cache of {base_url}: HTTP {e.code} "
-                           f"{e.read().decode(errors='replace')} (--cold-prompts needs servers with "
-                           "--admin-api, of a revision that has POST /admin/reset_prefix_cache)") from None
+    return _post_admin(base_url, "/admin/reset_prefix_cache", {},
+                       f"resetting the prefix cache of {base_url} (--cold-prompts needs servers with "
+                       "--admin-api, of a revision that has POST /admin/reset_prefix_cache)")
 
 
 def wait_healthy(base_url: str, proc: subprocess.Popen | None, timeout: float) -> None:
