@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -349,6 +350,59 @@ def depth_costs_markdown(dc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+BEFORE = ("same", "deeper", "shallower")
+
+
+def change_costs(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -> dict:
+    """{concurrency: {(setting, depth, before): figures}} over the decode-only steps that hold at
+    least `full` of the concurrency and follow a decode-only step, by that step's depth: the
+    same (in a run), deeper, shallower. Setting "*" pools every setting that ran more than one
+    depth (the controllers). Figures: steps, and medians of verify and draft ms per decoding
+    sequence and of the rest of the step (ms): medians, as one stall in a few tens of steps
+    moves a mean by percents. Whether a depth's first step after another costs more than the
+    depth does in a run is what the online comparisons, read on such steps, depend on (the
+    twenty-eighth session read +11.5% at depth 3 from pooled means; the twenty-ninth's medians
+    found none at depths 3-4)."""
+    samples: dict[int, dict[tuple[str, int, str], list[tuple[float, float, float]]]] = {}
+    depths_run: dict[str, set[int]] = defaultdict(set)
+    for setting, conc, _, steps in cells:
+        prev = None
+        for s in steps:
+            decode_only = not s.get("prefill_seqs")
+            depths_run[setting].add(s["depth"])
+            if decode_only and prev is not None and s["decode"] >= max(1.0, full * conc) and s["step_s"] > 0:
+                d = s["depth"]
+                before = "same" if prev == d else ("deeper" if prev > d else "shallower")
+                x = (1e3 * s["verify_s"] / s["decode"], 1e3 * s["draft_s"] / s["decode"],
+                     1e3 * (s["step_s"] - s["verify_s"] - s["draft_s"]))
+                samples.setdefault(conc, {}).setdefault((setting, d, before), []).append(x)
+            prev = s["depth"] if decode_only else None
+    out: dict[int, dict[tuple[str, int, str], dict]] = {}
+    for conc, by in samples.items():
+        pooled: dict[tuple[str, int, str], list] = defaultdict(list)
+        for (setting, d, before), xs in by.items():
+            if len(depths_run[setting]) > 1:
+                pooled[("*", d, before)] += xs
+        for key, xs in list(by.items()) + list(pooled.items()):
+            out.setdefault(conc, {})[key] = {
+                "steps": len(xs), "verify_ms_seq": statistics.median(x[0] for x in xs),
+                "draft_ms_seq": statistics.median(x[1] for x in xs), "rest_ms": statistics.median(x[2] for x in xs)}
+    return out
+
+
+def change_costs_markdown(cc: dict) -> str:
+    lines = []
+    for conc in sorted(cc):
+        lines += ["", f"{conc} requests: decode-only steps by the depth of the step before (medians)", "",
+                  "| depth | setting | before | steps | verify ms/seq | draft ms/seq | rest ms |",
+                  "|---:|---|---|---:|---:|---:|---:|"]
+        for (setting, depth, before), r in sorted(cc[conc].items(),
+                                                  key=lambda kv: (kv[0][1], kv[0][0], BEFORE.index(kv[0][2]))):
+            lines.append(f"| {depth} | {setting} | {before} | {r['steps']} | {r['verify_ms_seq']:.3f} "
+                         f"| {r['draft_ms_seq']:.3f} | {r['rest_ms']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 KINDS = ("run", "switch-in", "isolated")
 
 
@@ -415,6 +469,9 @@ def main(argv=None) -> int:
     p.add_argument("--step-kinds", action="store_true",
                    help="also, per concurrency, the controllers' steps by depth and by where they stood "
                         "(in a run, starting one, isolated): measured over predicted tokens, time, goodput")
+    p.add_argument("--change-costs", action="store_true",
+                   help="also, per concurrency, each depth's steps by the depth of the step before (the "
+                        "same, deeper, shallower): medians of verify and draft ms per sequence and the rest")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     cells = [c for d in args.sweep_dirs for c in cells_of(d)]
@@ -434,6 +491,8 @@ def main(argv=None) -> int:
         print(depth_costs_markdown(depth_costs(cells)), end="")
     if args.step_kinds:
         print(step_kinds_markdown(step_kinds(cells)), end="")
+    if args.change_costs:
+        print(change_costs_markdown(change_costs(cells)), end="")
     if args.json:
         args.json.write_text(json.dumps([{"setting": s, "concurrency": c, **r} for (s, c), r in rows.items()], indent=1))
     return 0

@@ -742,6 +742,43 @@ def test_step_report_depth_costs_compare_one_depth_across_settings(tmp_path):
     assert "| 3 | static3 | 2 | 4.0 | 20.0 |" in table
 
 
+def test_step_report_change_costs_split_a_depth_by_the_step_before(tmp_path):
+    """--change-costs: per concurrency, setting and depth, the decode-only steps near the full
+    batch by the depth of the decode-only step before (medians), and "*" pooling the settings
+    that ran more than one depth."""
+    from benchmarks import step_report
+
+    rd = tmp_path / "round0"
+    rd.mkdir()
+    lines = []
+    runs = (("static3", [3, 3, 3, 3], {}), ("adaptive", [5, 3, 3, 3, 2, 3, 3], {1: 0.020, 5: 0.030}))
+    for i, (setting, depths, verify_at) in enumerate(runs):
+        t0 = 100.0 * (i + 1)
+        (rd / f"{setting}_c4.json").write_text(json.dumps(
+            {"started_at": t0, "finished_at": t0 + 20, "metrics": {"output_throughput": 50.0}}))
+        lines += [{"t": t0 + k, "depth": d, "nodes": d, "decode": 4, "prefill_seqs": 0, "prefill_tokens": 0,
+                   "emitted": 4 * (d + 1), "draft_s": 0.004, "verify_s": verify_at.get(k - 1, 0.012),
+                   "step_s": 0.004 + verify_at.get(k - 1, 0.012) + 0.009} for k, d in enumerate(depths, start=1)]
+        # a step that also prefills (not counted, and the step after it has no step before)
+        lines += [{"t": t0 + 10, "depth": 3, "nodes": 3, "decode": 4, "prefill_seqs": 1, "prefill_tokens": 30,
+                   "emitted": 16, "draft_s": 0.1, "verify_s": 0.1, "step_s": 0.5},
+                  {"t": t0 + 11, "depth": 3, "nodes": 3, "decode": 4, "prefill_seqs": 0, "prefill_tokens": 0,
+                   "emitted": 16, "draft_s": 0.1, "verify_s": 0.1, "step_s": 0.5}]
+    (tmp_path / "steps_shared_round0.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    cc = step_report.change_costs(step_report.cells_of(tmp_path))[4]
+    # adaptive's depth 3: after 5 (verify 20 ms), in a run (12, 12, 12 ms), after 2 (30 ms)
+    assert cc[("adaptive", 3, "deeper")]["steps"] == 1
+    assert cc[("adaptive", 3, "deeper")]["verify_ms_seq"] == pytest.approx(5.0)
+    assert cc[("adaptive", 3, "shallower")]["verify_ms_seq"] == pytest.approx(7.5)
+    assert cc[("adaptive", 3, "same")]["steps"] == 3 and cc[("adaptive", 3, "same")]["verify_ms_seq"] == pytest.approx(3.0)
+    assert cc[("adaptive", 2, "deeper")]["draft_ms_seq"] == pytest.approx(1.0)
+    assert cc[("adaptive", 3, "same")]["rest_ms"] == pytest.approx(9.0)
+    assert cc[("static3", 3, "same")]["steps"] == 3
+    assert ("*", 3, "same") in cc and cc[("*", 3, "same")]["steps"] == 3   # static3 ran one depth: not pooled
+    table = step_report.change_costs_markdown({4: cc})
+    assert "| 3 | adaptive | shallower | 1 | 7.500 | 1.000 | 9.00 |" in table
+    assert step_report.main([str(tmp_path), "--change-costs"]) == 0
+
 def test_step_report_step_kinds_set_a_runs_steps_apart_from_isolated_ones(tmp_path):
     """--step-kinds: the controller's decode-only steps by depth and by where they stood (in a
     run, starting one, isolated between other depths), measured over predicted."""
