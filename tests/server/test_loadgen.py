@@ -779,6 +779,40 @@ def test_step_report_change_costs_split_a_depth_by_the_step_before(tmp_path):
     assert "| 3 | adaptive | shallower | 1 | 7.500 | 1.000 | 9.00 |" in table
     assert step_report.main([str(tmp_path), "--change-costs"]) == 0
 
+def test_replay_costs_reads_the_rows_against_their_run_medians(tmp_path):
+    """benchmarks.replay_costs: a setting's decode-only steps fed in order to a cost model,
+    the rows read after each cell over the run medians of the sweep's steps."""
+    from benchmarks import replay_costs, step_report
+    from specserve.controller import CostModel
+
+    rd = tmp_path / "round0"
+    rd.mkdir()
+    cost = lambda b, rows: 0.002 + 0.001 * b * rows  # noqa: E731
+    lines = []
+    for i, (setting, depths) in enumerate((("static3", [3] * 12), ("adaptive", [5] * 6 + [3] * 40))):
+        t0 = 100.0 * (i + 1)
+        (rd / f"{setting}_c4.json").write_text(json.dumps(
+            {"started_at": t0, "finished_at": t0 + 60, "metrics": {"output_throughput": 50.0}}))
+        lines += [{"t": t0 + k, "depth": d, "nodes": d, "decode": 4, "prefill_seqs": 0, "prefill_tokens": 0,
+                   "emitted": 8, "draft_s": 0.001, "verify_s": cost(4, d + 1), "step_s": 0.02}
+                  for k, d in enumerate(depths, start=1)]
+        # a step that also prefills: neither fed nor a run step
+        lines.append({"t": t0 + 55, "depth": 3, "nodes": 3, "decode": 4, "prefill_seqs": 1, "prefill_tokens": 30,
+                      "emitted": 4, "draft_s": 0.1, "verify_s": 0.5, "step_s": 0.6})
+    (tmp_path / "steps_shared_round0.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    cells = step_report.cells_of(tmp_path)
+    truth = replay_costs.run_medians(cells, 4)
+    assert truth == {4: pytest.approx(cost(4, 4) / 4)}   # 6 rows ran 5 times in a run: too few
+    cm = CostModel()
+    for rows in (1, 2, 4, 6, 9):   # a calibration that reads every row 1.5x dear
+        cm.observe_verify(4, 4 * rows, 1.5 * cost(4, rows), track_level=False)
+    rows = replay_costs.replay(cells, "adaptive", cm, 4, truth)
+    assert [r["steps"] for r in rows] == [46] and rows[0]["concurrency"] == 4
+    assert rows[0]["read"][4] == pytest.approx(1.0, abs=0.03)   # the level has followed the steps
+    table = replay_costs.markdown(rows, None)
+    assert "| 0 | 4 | 46 | 1.0" in table and "4 rows" in table
+    assert replay_costs.main([str(tmp_path), "--setting", "nosuch"]) == 1
+
 def test_step_report_step_kinds_set_a_runs_steps_apart_from_isolated_ones(tmp_path):
     """--step-kinds: the controller's decode-only steps by depth and by where they stood (in a
     run, starting one, isolated between other depths), measured over predicted."""
