@@ -6,10 +6,10 @@ What a cost-model change does to the verify rows on real steps, in seconds inste
 10-minute A/B: a fresh start-up calibration (``LLM()`` on the embedded pair, one thread, as
 the server calibrates; ~30 s), then every decode-only step the setting logged (sweep
 --step-logs), in order over its cells, fed to ``CostModel.observe_verify`` as the controller
-feeds its own (batch, rows x batch tokens, verify seconds, context). After each cell it prints
+feeds its own (batch, the pass's rows, verify seconds, context). After each cell it prints
 what the row reads per sequence at ``--concurrency`` sequences for each row count, over the
 median of the steps that ran that row count in a run at that concurrency (any setting of the
-sweep, near the full batch): 1.000 is the row as the steps measured it; a row count that drifts
+sweep, near the full batch, no tree cut): 1.000 is the row as the steps measured it; a row count that drifts
 off it is one the plan prices wrong. What decides a plan is the tilt between row counts more
 than the level: ``--rows 6`` prints each reading over six rows'.
 
@@ -29,8 +29,8 @@ from benchmarks.step_report import cells_of
 
 def run_medians(cells, concurrency: int, full: float = 0.75) -> dict[int, float]:
     """Rows per sequence -> the median verify seconds per sequence of the decode-only steps at
-    `concurrency` that follow a step at the same depth and hold `full` of the batch (every
-    setting; row counts with fewer than 10 such steps left out)."""
+    `concurrency` that follow a step at the same depth, hold `full` of the batch and verified
+    every tree whole (every setting; row counts with fewer than 10 such steps left out)."""
     by_rows: dict[int, list[float]] = {}
     for _, conc, _, steps in cells:
         if conc != concurrency:
@@ -38,7 +38,8 @@ def run_medians(cells, concurrency: int, full: float = 0.75) -> dict[int, float]
         prev = None
         for s in steps:
             decode_only = not s.get("prefill_seqs")
-            if decode_only and s["decode"] >= full * conc and s["depth"] == prev and s["verify_s"] > 0:
+            if (decode_only and s["decode"] >= full * conc and s["depth"] == prev and s["verify_s"] > 0
+                    and s.get("drafted", s["decode"] * s["nodes"]) == s["decode"] * s["nodes"]):
                 by_rows.setdefault(s["nodes"] + 1, []).append(s["verify_s"] / s["decode"])
             prev = s["depth"] if decode_only else None
     return {r: statistics.median(v) for r, v in sorted(by_rows.items()) if len(v) >= 10}
@@ -57,7 +58,10 @@ def replay(cells, setting: str, costs, concurrency: int, truth: dict[int, float]
             if s.get("prefill_seqs") or s["decode"] < 1 or s["verify_s"] <= 0:
                 continue
             b = s["decode"]
-            costs.observe_verify(b, b * (s["nodes"] + 1), s["verify_s"], context_tokens=s.get("context"))
+            # The rows the controller booked it at: fewer than the plan's where trees were cut
+            # (logs from before the twenty-ninth session lack "drafted": the plan's).
+            tokens = b + s["drafted"] if "drafted" in s else b * (s["nodes"] + 1)
+            costs.observe_verify(b, tokens, s["verify_s"], context_tokens=s.get("context"))
             fed += 1
         read = {r: costs.t_verify(B, B * r) / (B * t) for r, t in truth.items()}
         out.append({"concurrency": conc, "steps": fed, "read": read})

@@ -298,12 +298,13 @@ class LLMEngine:
             "emitted": sum(len(t) for t in new_tokens.values()),
             "draft_s": round(draft_s, 6), "verify_s": round(verify_s, 6), "step_s": round(step_s, 6),
         }
+        if plan.num_nodes:
+            record["drafted"] = self.spec.last_drafted
         controller = self.spec.controller
         if controller is not None:
             record["predicted"] = round(controller.goodput_estimate, 2)
             if plan.stop_below:
                 record["stop"] = round(plan.stop_below, 3)
-                record["drafted"] = self.spec.last_drafted
             curve = controller.fresh_curve()
             if curve is not None:
                 record["curve"] = [None if g is None else round(g, 2) for g in curve]

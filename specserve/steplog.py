@@ -31,9 +31,12 @@ one object:
                     with curve: the milliseconds that evaluation priced each depth's draft
                     levels and verify pass at, and the rest of a step (which part of the
                     predicted step time is off, set beside the fixed depths' steps)
-    stop, drafted   with early stop ([spec] early_stop): the path probability below which
-                    the step's chains stopped growing, and the tree nodes verified over all
-                    sequences (below depth x decode where chains stopped early)
+    drafted         on speculative steps: the tree nodes verified over all decoding
+                    sequences (below nodes x decode where trees were cut near a request's
+                    max_tokens or the context's end, or chains stopped early): decode + drafted
+                    is the verify pass's decoding rows, what the controller books its cost at
+    stop            with early stop ([spec] early_stop): the path probability below which
+                    the step's chains stopped growing
 
 Unlike the controller's own step statistics, steps that also prefill are logged with their
 timings: at high load they are most of the target's time. A line is written per step

@@ -56,7 +56,7 @@ def test_every_step_is_logged_and_accounts_for_prompts_and_outputs(target, tmp_p
     assert max(s["context_max"] for s in steps) >= max(map(len, PROMPTS))
     assert max(s["context_max"] for s in steps) < max(map(len, PROMPTS)) + 12
     if setting == "none":
-        assert all(s["depth"] == 0 and s["draft_s"] == 0 for s in steps)
+        assert all(s["depth"] == 0 and s["draft_s"] == 0 and "drafted" not in s for s in steps)
         assert any(s["prefill_seqs"] and s["decode"] for s in steps)   # a mixed step, timed too
         assert all(s["emitted"] == s["decode"] for s in decode_only)
     if setting == "static3":
@@ -67,6 +67,11 @@ def test_every_step_is_logged_and_accounts_for_prompts_and_outputs(target, tmp_p
         full = [s for s in decode_only if s["emitted"] == s["decode"] * (s["depth"] + 1)]
         assert len(full) >= len(decode_only) // 2
         assert all(s["depth"] == 3 for s in decode_only if s["emitted"] > s["decode"])
+        # The nodes verified: a full tree each on most steps, fewer where a request's last
+        # tokens cut its tree (the rows the controller books a step at).
+        assert all(s["drafted"] <= s["decode"] * s["nodes"] for s in steps if s["nodes"])
+        assert sum(s["drafted"] == s["decode"] * 3 for s in decode_only) >= len(decode_only) // 2
+        assert any(s["drafted"] < s["decode"] * 3 for s in decode_only)
         assert not any("predicted" in s or "curve" in s for s in steps)
     if setting == "adaptive":
         assert all(s["predicted"] > 0 for s in steps)

@@ -796,9 +796,13 @@ def test_replay_costs_reads_the_rows_against_their_run_medians(tmp_path):
         lines += [{"t": t0 + k, "depth": d, "nodes": d, "decode": 4, "prefill_seqs": 0, "prefill_tokens": 0,
                    "emitted": 8, "draft_s": 0.001, "verify_s": cost(4, d + 1), "step_s": 0.02}
                   for k, d in enumerate(depths, start=1)]
-        # a step that also prefills: neither fed nor a run step
+        # a step that also prefills: neither fed nor a run step; one whose trees were cut near
+        # the requests' ends (8 of 12 nodes): fed at the 3 rows it verified, not a run step
         lines.append({"t": t0 + 55, "depth": 3, "nodes": 3, "decode": 4, "prefill_seqs": 1, "prefill_tokens": 30,
                       "emitted": 4, "draft_s": 0.1, "verify_s": 0.5, "step_s": 0.6})
+        lines.append({"t": t0 + 0.5, "depth": 3, "nodes": 3, "decode": 4, "prefill_seqs": 0, "prefill_tokens": 0,
+                      "emitted": 8, "drafted": 8, "draft_s": 0.001, "verify_s": cost(4, 3), "step_s": 0.02})
+    lines.sort(key=lambda x: x["t"])   # a log is in time order
     (tmp_path / "steps_shared_round0.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     cells = step_report.cells_of(tmp_path)
     truth = replay_costs.run_medians(cells, 4)
@@ -806,11 +810,15 @@ def test_replay_costs_reads_the_rows_against_their_run_medians(tmp_path):
     cm = CostModel()
     for rows in (1, 2, 4, 6, 9):   # a calibration that reads every row 1.5x dear
         cm.observe_verify(4, 4 * rows, 1.5 * cost(4, rows), track_level=False)
+    fed = []
+    observe = cm.observe_verify
+    cm.observe_verify = lambda b, tokens, *a, **k: (fed.append(tokens), observe(b, tokens, *a, **k))
     rows = replay_costs.replay(cells, "adaptive", cm, 4, truth)
-    assert [r["steps"] for r in rows] == [46] and rows[0]["concurrency"] == 4
+    assert [r["steps"] for r in rows] == [47] and rows[0]["concurrency"] == 4
+    assert fed == [12] + [24] * 6 + [16] * 40   # the cut step at the rows it verified
     assert rows[0]["read"][4] == pytest.approx(1.0, abs=0.03)   # the level has followed the steps
     table = replay_costs.markdown(rows, None)
-    assert "| 0 | 4 | 46 | 1.0" in table and "4 rows" in table
+    assert "| 0 | 4 | 47 | 1.0" in table and "4 rows" in table
     assert replay_costs.main([str(tmp_path), "--setting", "nosuch"]) == 1
 
 def test_step_report_step_kinds_set_a_runs_steps_apart_from_isolated_ones(tmp_path):
