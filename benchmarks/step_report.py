@@ -391,15 +391,21 @@ def change_costs(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0
 
 
 def change_costs_markdown(cc: dict) -> str:
+    return _by_kind_markdown(
+        cc, "decode-only steps by the depth of the step before (medians)",
+        "| depth | setting | before | steps | verify ms/seq | draft ms/seq | rest ms |", BEFORE,
+        lambda r: f"{r['steps']} | {r['verify_ms_seq']:.3f} | {r['draft_ms_seq']:.3f} | {r['rest_ms']:.2f}")
+
+
+def _by_kind_markdown(tables: dict, title: str, header: str, kinds: tuple[str, ...], cells) -> str:
+    """Per concurrency, a table of {(setting, depth, kind): figures} rows ordered by depth,
+    setting and `kinds`; `cells(figures)` writes a row's columns after its key."""
     lines = []
-    for conc in sorted(cc):
-        lines += ["", f"{conc} requests: decode-only steps by the depth of the step before (medians)", "",
-                  "| depth | setting | before | steps | verify ms/seq | draft ms/seq | rest ms |",
-                  "|---:|---|---|---:|---:|---:|---:|"]
-        for (setting, depth, before), r in sorted(cc[conc].items(),
-                                                  key=lambda kv: (kv[0][1], kv[0][0], BEFORE.index(kv[0][2]))):
-            lines.append(f"| {depth} | {setting} | {before} | {r['steps']} | {r['verify_ms_seq']:.3f} "
-                         f"| {r['draft_ms_seq']:.3f} | {r['rest_ms']:.2f} |")
+    for conc in sorted(tables):
+        lines += ["", f"{conc} requests: {title}", "", header, "|---:|---|---|" + "---:|" * (header.count("|") - 4)]
+        for (setting, depth, kind), r in sorted(tables[conc].items(),
+                                                key=lambda kv: (kv[0][1], kv[0][0], kinds.index(kv[0][2]))):
+            lines.append(f"| {depth} | {setting} | {kind} | {cells(r)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -442,16 +448,10 @@ def step_kinds(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.7
 
 
 def step_kinds_markdown(sk: dict) -> str:
-    lines = []
-    for conc in sorted(sk):
-        lines += ["", f"{conc} requests: the controller's steps by where they stood, measured / predicted", "",
-                  "| depth | setting | kind | steps | tokens | time | goodput |",
-                  "|---:|---|---|---:|---:|---:|---:|"]
-        for (setting, depth, kind), r in sorted(sk[conc].items(),
-                                                key=lambda kv: (kv[0][1], kv[0][0], KINDS.index(kv[0][2]))):
-            lines.append(f"| {depth} | {setting} | {kind} | {r['steps']} | {r['tokens']:.3f} | {r['time']:.3f} "
-                         f"| {r['goodput']:.3f} |")
-    return "\n".join(lines) + "\n"
+    return _by_kind_markdown(
+        sk, "the controller's steps by where they stood, measured / predicted",
+        "| depth | setting | kind | steps | tokens | time | goodput |", KINDS,
+        lambda r: f"{r['steps']} | {r['tokens']:.3f} | {r['time']:.3f} | {r['goodput']:.3f}")
 
 
 def main(argv=None) -> int:
