@@ -102,6 +102,10 @@ def _tree_accept_kernel(
             p_x = tl.full([], 0.0, tl.float32)
             if not greedy:  # greedy rows never touch probabilities (callers may pass V = 1 dummies)
                 p_x = tl.load(work + x)
+                # Every warp reads work[x] before any of them rewrites the row below (the
+                # rejection's one-hot store, or the accepted node's copy); on a GPU a warp
+                # running behind would otherwise read the new value and branch differently.
+                tl.debug_barrier()
             if greedy:
                 ok = x == tl.load(target_argmax_ptr + b * (N + 1) + row)
             elif sampled:

@@ -146,6 +146,9 @@ class LLMEngine:
 
     def _size_pool(self, bytes_per_block: int) -> int:
         if self.device.type == "cuda":
+            # fuse_projections freed the unfused weights into the caching allocator; hand them
+            # back first or the driver does not count them as free.
+            torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * self.config.cache.memory_fraction)
         else:

@@ -281,7 +281,7 @@ class Attention(nn.Module):
         # q and k rotate together: one RoPE over [T, Hq + Hkv, D].
         q, k = apply_rope(torch.cat([q, k], dim=1), cos, sin).split_with_sizes(
             [self.num_heads, self.num_kv_heads], dim=1)
-        k = k.contiguous()
+        q, k = q.contiguous(), k.contiguous()
         k_cache, v_cache = kv_cache
         # This step's K/V go into the pool first; attention then reads every visible key
         # (context and this step's own tokens) from the pool.

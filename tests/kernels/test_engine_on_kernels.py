@@ -1,0 +1,56 @@
+"""The whole engine on the Triton kernels, as a GPU runs it: every KV write, attention call,
+slot copy and tree acceptance goes through kernels/*.py (interpreted on the CPU), and the
+tokens must equal the torch reference path's.
+
+The kernel tests call each kernel with tensors they build themselves; this test catches what
+only the model hands them. The first H100 run (thirtieth session) failed on such a thing at
+once: the q that Attention.forward split out of its joint RoPE tensor was not contiguous, the
+reference path never minded, and the kernel's check refused the first forward of more than
+one token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.kernels import ops
+from tests.checkpoints import make_checkpoint
+from tests.kernels._device import INTERPRETED
+
+pytestmark = pytest.mark.skipif(not INTERPRETED, reason="on a GPU the engine tests run these kernels natively")
+
+PROMPTS = [[5, 9, 2, 7, 11, 3], [4, 4, 8], [13, 1, 6, 2, 9, 9, 10, 12, 3]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("on_kernels")
+    target = make_checkpoint(root / "target", "llama", dtype=torch.float32, num_hidden_layers=2)
+    draft = make_checkpoint(root / "draft", "llama", dtype=torch.float32, seed=1, num_hidden_layers=1)
+    return target, draft
+
+
+def generate(models, tree: str, triton: bool, monkeypatch) -> list[list[int]]:
+    target, draft = models
+    with monkeypatch.context() as m:
+        if triton:
+            m.setattr(ops, "_use_triton", lambda t: True)
+        kw = dict(spec__branching=[2, 2, 1]) if tree == "fixed" else {}
+        llm = LLM(target=str(target), draft=str(draft), dtype="float32", device="cpu", progress=False,
+                  num_blocks=64, block_size=4, spec_mode="static", spec_depth=3, spec_tree=tree, **kw)
+        params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+                  SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True),
+                  SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)]
+        outs = llm.generate(PROMPTS, params)
+        assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks  # every block came back
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("tree", ["chain", "fixed"])
+def test_engine_on_triton_kernels_matches_reference(models, tree, monkeypatch):
+    reference = generate(models, tree, triton=False, monkeypatch=monkeypatch)
+    on_kernels = generate(models, tree, triton=True, monkeypatch=monkeypatch)
+    assert on_kernels == reference
+    assert all(len(t) == 10 for t in on_kernels)
