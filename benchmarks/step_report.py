@@ -454,6 +454,58 @@ def step_kinds_markdown(sk: dict) -> str:
         lambda r: f"{r['steps']} | {r['tokens']:.3f} | {r['time']:.3f} | {r['goodput']:.3f}")
 
 
+def regimes(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -> dict:
+    """{concurrency: {setting: {"by_choice": {depth: figures}, "measured": {depth: ms}}}}: a
+    controller's decode-only steps near the full batch, grouped by the depth it chose, with
+    the mean verify ms it priced *every* depth at on those steps (the step log's verify_pred),
+    beside the mean verify ms its steps at each depth measured. The priced value of the depth
+    that runs is checked every step; the others' are read through the row's shape at the
+    level that depth's steps set. Where a depth's price rises while another runs, the plan
+    leaves it and has no reason to come back (the thirtieth session: at 16 requests depth 3
+    read 26.05 ms while it ran and 27.4 while 4 or 5 ran, against 25.65 measured)."""
+    out: dict[int, dict[str, dict]] = {}
+    for setting, conc, _, steps in cells:
+        for s in steps:
+            if (s.get("prefill_seqs") or s["decode"] < max(1.0, full * conc) or not s.get("verify_pred")
+                    or s["step_s"] <= 0):
+                continue
+            d = s["depth"]
+            r = out.setdefault(conc, {}).setdefault(setting, {"by_choice": {}, "measured": {}})
+            acc = r["by_choice"].setdefault(d, {"steps": 0, "pred": [0.0] * len(s["verify_pred"])})
+            acc["steps"] += 1
+            for j, v in enumerate(s["verify_pred"][:len(acc["pred"])]):
+                acc["pred"][j] += v
+            m = r["measured"].setdefault(d, [0, 0.0])
+            m[0] += 1
+            m[1] += 1e3 * s["verify_s"]
+    for by in out.values():
+        for r in by.values():
+            for acc in r["by_choice"].values():
+                acc["pred"] = [v / acc["steps"] for v in acc["pred"]]
+            r["measured"] = {d: t / n for d, (n, t) in r["measured"].items()}
+    return out
+
+
+def regimes_markdown(rg: dict, min_steps: int = 10) -> str:
+    lines = []
+    for conc in sorted(rg):
+        for setting, r in sorted(rg[conc].items()):
+            depths = sorted(d for d, a in r["by_choice"].items() if a["steps"] >= min_steps)
+            if not depths:
+                continue
+            lines += ["", f"{conc} requests, {setting}: verify ms priced for each depth, by the depth chosen "
+                          "(decode-only steps near the full batch)", "",
+                      "| chosen | steps | " + " | ".join(f"d{j}" for j in depths) + " |",
+                      "|---:|---:|" + "---:|" * len(depths)]
+            for d in depths:
+                a = r["by_choice"][d]
+                lines.append(f"| {d} | {a['steps']} | " + " | ".join(
+                    (f"**{a['pred'][j]:.2f}**" if j == d else f"{a['pred'][j]:.2f}") if j < len(a["pred"]) else "-"
+                    for j in depths) + " |")
+            lines.append("| measured | | " + " | ".join(f"{r['measured'][j]:.2f}" for j in depths) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.step_report", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep_dirs", nargs="+", type=Path)
@@ -472,6 +524,9 @@ def main(argv=None) -> int:
     p.add_argument("--change-costs", action="store_true",
                    help="also, per concurrency, each depth's steps by the depth of the step before (the "
                         "same, deeper, shallower): medians of verify and draft ms per sequence and the rest")
+    p.add_argument("--regimes", action="store_true",
+                   help="also, per concurrency, the controllers' priced verify ms for every depth, by the "
+                        "depth they chose, beside what each depth measured")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     cells = [c for d in args.sweep_dirs for c in cells_of(d)]
@@ -493,6 +548,8 @@ def main(argv=None) -> int:
         print(step_kinds_markdown(step_kinds(cells)), end="")
     if args.change_costs:
         print(change_costs_markdown(change_costs(cells)), end="")
+    if args.regimes:
+        print(regimes_markdown(regimes(cells)), end="")
     if args.json:
         args.json.write_text(json.dumps([{"setting": s, "concurrency": c, **r} for (s, c), r in rows.items()], indent=1))
     return 0

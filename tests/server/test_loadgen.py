@@ -779,6 +779,38 @@ def test_step_report_change_costs_split_a_depth_by_the_step_before(tmp_path):
     assert "| 3 | adaptive | shallower | 1 | 7.500 | 1.000 | 9.00 |" in table
     assert step_report.main([str(tmp_path), "--change-costs"]) == 0
 
+def test_step_report_regimes_price_every_depth_by_the_depth_chosen(tmp_path):
+    """--regimes: per concurrency and controller, the verify ms it priced each depth at, by the
+    depth it chose, beside each depth's measured mean; prefill steps and small batches left out."""
+    from benchmarks import step_report
+
+    rd = tmp_path / "round0"
+    rd.mkdir()
+    (rd / "adaptive_c4.json").write_text(json.dumps(
+        {"started_at": 100.0, "finished_at": 120.0, "metrics": {"output_throughput": 50.0}}))
+
+    def step(t, depth, pred, verify, decode=4, prefill=0):
+        return {"t": t, "depth": depth, "nodes": depth, "decode": decode, "prefill_seqs": prefill,
+                "prefill_tokens": 8 * prefill, "emitted": decode * 2, "draft_s": 0.004, "verify_s": verify,
+                "step_s": 0.004 + verify + 0.002, "verify_pred": pred}
+
+    lines = [step(101, 3, [10.0, 20.0, 22.0, 25.0, 30.0], 0.024),
+             step(102, 3, [10.0, 20.0, 22.0, 26.0, 30.0], 0.026),
+             step(103, 4, [10.0, 20.0, 23.0, 28.0, 31.0], 0.029),
+             step(104, 4, [10.0, 20.0, 23.0, 30.0, 31.0], 0.031, prefill=1),   # prefill: left out
+             step(105, 4, [10.0, 20.0, 23.0, 40.0, 31.0], 0.031, decode=1)]    # 1 of 4: left out
+    (tmp_path / "steps_shared_round0.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    r = step_report.regimes(step_report.cells_of(tmp_path))[4]["adaptive"]
+    assert r["by_choice"][3]["steps"] == 2 and r["by_choice"][4]["steps"] == 1
+    assert r["by_choice"][3]["pred"][4] == pytest.approx(30.0)
+    assert r["by_choice"][3]["pred"][3] == pytest.approx(25.5)
+    assert r["by_choice"][4]["pred"][3] == pytest.approx(28.0)
+    assert r["measured"] == {3: pytest.approx(25.0), 4: pytest.approx(29.0)}
+    table = step_report.regimes_markdown({4: {"adaptive": r}}, min_steps=1)
+    assert "| 3 | 2 | **25.50** | 30.00 |" in table and "| measured | | 25.00 | 29.00 |" in table
+    assert step_report.main([str(tmp_path), "--regimes"]) == 0
+
+
 def test_replay_costs_reads_the_rows_against_their_run_medians(tmp_path):
     """benchmarks.replay_costs: a setting's decode-only steps fed in order to a cost model,
     the rows read after each cell over the run medians of the sweep's steps."""
