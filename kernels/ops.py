@@ -12,6 +12,31 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
+def on_triton(t: torch.Tensor) -> bool:
+    """Whether `t`'s forward runs on the Triton kernels (and the fused ones below)."""
+    return _use_triton(t)
+
+
+# The fused per-row kernels (kernels/fused.py): the model calls them only where on_triton
+# holds; on the CPU it keeps its torch ops.
+def add_rms_norm(x, residual, weight, eps: float):
+    from specserve.kernels import fused
+
+    return fused.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_mul(gate_up):
+    from specserve.kernels import fused
+
+    return fused.silu_mul(gate_up)
+
+
+def rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads: int):
+    from specserve.kernels import fused
+
+    return fused.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_q_heads)
+
+
 def write_kv(k, v, k_cache, v_cache, slot_mapping, has_skipped_slots: bool = True) -> None:
     if _use_triton(k):
         from specserve.kernels import kv_ops

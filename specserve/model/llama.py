@@ -289,6 +289,13 @@ class Attention(nn.Module):
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
         return linear(out.reshape(T, self.num_heads * self.head_dim), self.wo)
 
+    def forward_fused(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:  # [T, H] -> [T, H]
+        """forward on the GPU kernels (CausalLM.fusable): RoPE and the pool write in one kernel."""
+        k_cache, v_cache = kv_cache
+        q = ops.rope_write_kv(linear(x, self.wqkv), cos, sin, k_cache, v_cache, meta.slot_mapping, self.num_heads)
+        out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, Hq, D]
+        return linear(out.reshape(x.shape[0], self.num_heads * self.head_dim), self.wo)
+
 
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x); w1 = gate_proj, w3 = up_proj, w2 = down_proj."""
@@ -313,6 +320,9 @@ class FeedForward(nn.Module):
             gate, up = linear(x, self.w13).chunk(2, dim=-1)
             return linear(F.silu(gate) * up, self.w2)
         return linear(F.silu(linear(x, self.w1)) * linear(x, self.w3), self.w2)
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H], on the GPU kernels
+        return linear(ops.silu_mul(linear(x, self.w13)), self.w2)
 
 
 class TransformerBlock(nn.Module):
@@ -410,9 +420,33 @@ class CausalLM(nn.Module):
         x = self.tok_embeddings(input_ids)  # [T, H]
         # Gathered, cast and widened once per forward, not in every layer.
         cos, sin = rope_full_tables(self.rope_cos[positions], self.rope_sin[positions], x.dtype)  # [T, 1, D] each
+        if ops.on_triton(x) and self.fusable():
+            return self._forward_fused(x, cos, sin, kv_caches, meta)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer.forward(x, cos, sin, kv_cache, meta)
         return self.norm.forward(x)
+
+    def fusable(self) -> bool:
+        """Whether the forward can run on the fused GPU kernels (kernels/fused.py): projections
+        fused, no per-head q/k norm (Qwen3 keeps the op-by-op forward), 16- or 32-bit floats."""
+        first = self.layers[0]
+        return (hasattr(first.attention, "wqkv") and hasattr(first.feed_forward, "w13")
+                and first.attention.q_norm is None and self.dtype in (torch.float16, torch.bfloat16, torch.float32))
+
+    def _forward_fused(self, x, cos, sin, kv_caches, meta) -> torch.Tensor:
+        """The layers with the residual stream carried beside the normalised row: each residual
+        add is fused with the norm after it (the next layer's, or the final one), so a layer is
+        four kernels beside its matmuls and attention. Same sums and norms as forward's loop."""
+        layers = self.layers
+        eps = self.norm.eps
+        normed, residual = ops.add_rms_norm(x, None, layers[0].attention_norm.weight, eps)
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            attn = layer.attention.forward_fused(normed, cos, sin, kv_cache, meta)
+            normed, residual = ops.add_rms_norm(attn, residual, layer.ffn_norm.weight, eps)
+            ffn = layer.feed_forward.forward_fused(normed)
+            after = layers[i + 1].attention_norm if i + 1 < len(layers) else self.norm
+            normed, residual = ops.add_rms_norm(ffn, residual, after.weight, eps)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] float32/float64
         logits = linear(hidden, self.output)  # the head has no bias

@@ -3,7 +3,7 @@ slot copy and tree acceptance goes through kernels/*.py (interpreted on the CPU)
 tokens must equal the torch reference path's.
 
 The kernel tests call each kernel with tensors they build themselves; this test catches what
-only the model hands them. The first H100 run (thirtieth session) failed on such a thing at
+only the model hands them, and runs the fused forward (kernels/fused.py) a GPU runs. The first H100 run (thirtieth session) failed on such a thing at
 once: the q that Attention.forward split out of its joint RoPE tensor was not contiguous, the
 reference path never minded, and the kernel's check refused the first forward of more than
 one token.
@@ -32,11 +32,16 @@ def models(tmp_path_factory):
     return target, draft
 
 
-def generate(models, tree: str, triton: bool, monkeypatch) -> list[list[int]]:
+def generate(models, tree: str, triton: bool, monkeypatch, calls: dict | None = None) -> list[list[int]]:
     target, draft = models
     with monkeypatch.context() as m:
         if triton:
             m.setattr(ops, "_use_triton", lambda t: True)
+            for name in ("add_rms_norm", "silu_mul", "rope_write_kv", "paged_attention", "tree_accept"):
+                def counted(*a, _f=getattr(ops, name), _n=name, **k):
+                    calls[_n] = calls.get(_n, 0) + 1
+                    return _f(*a, **k)
+                m.setattr(ops, name, counted)
         kw = dict(spec__branching=[2, 2, 1]) if tree == "fixed" else {}
         llm = LLM(target=str(target), draft=str(draft), dtype="float32", device="cpu", progress=False,
                   num_blocks=64, block_size=4, spec_mode="static", spec_depth=3, spec_tree=tree, **kw)
@@ -51,6 +56,12 @@ def generate(models, tree: str, triton: bool, monkeypatch) -> list[list[int]]:
 @pytest.mark.parametrize("tree", ["chain", "fixed"])
 def test_engine_on_triton_kernels_matches_reference(models, tree, monkeypatch):
     reference = generate(models, tree, triton=False, monkeypatch=monkeypatch)
-    on_kernels = generate(models, tree, triton=True, monkeypatch=monkeypatch)
+    calls: dict[str, int] = {}
+    on_kernels = generate(models, tree, triton=True, monkeypatch=monkeypatch, calls=calls)
     assert on_kernels == reference
+    # the fused forward ran (kernels/fused.py): per forward, 2 norms a layer + 1, one RoPE and
+    # one SiLU a layer; and the speculative steps went through tree_accept
+    assert calls["rope_write_kv"] == calls["paged_attention"] == calls["silu_mul"] > 0
+    assert calls["add_rms_norm"] > 2 * calls["rope_write_kv"]
+    assert calls["tree_accept"] > 0
     assert all(len(t) == 10 for t in on_kernels)
