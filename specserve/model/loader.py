@@ -202,6 +202,8 @@ def load_model(path, dtype="auto", device="cpu", progress: bool = True) -> tuple
             f"missing tensor(s) in {', '.join(f.name for f in files)} ({path}): {', '.join(missing[:5])}{more}"
         )
     model.fuse_projections()
+    if torch.device(device).type == "cuda":
+        model.keep_transposed_weights()   # linear as one mm: host time per layer on the GPU
     model.eval()
     return model, args
 

@@ -273,3 +273,16 @@ def test_kv_cache_shapes_and_bytes(tiny_qwen3):
     total = sum(k.nbytes + v.nbytes for k, v in caches)
     assert args.kv_bytes_per_block(8, torch.float32) * 7 == total
     assert args.kv_bytes_per_block(8, torch.bfloat16) * 2 == args.kv_bytes_per_block(8, torch.float32)
+
+
+def test_transposed_weight_views_give_the_same_logits(tiny_qwen2):
+    """keep_transposed_weights (what the loader does on CUDA): every linear becomes one
+    torch.mm / addmm against a transposed view; the logits are F.linear's (qkv biases too)."""
+    model, args = load_model(tiny_qwen2, dtype=torch.float32, progress=False)
+    ids = prompt_ids(17, args.vocab_size, seed=4)
+    table = random_block_tables([17], seed=5)[0]
+    before = run_chunks(model, ids, [9, 8], table)
+    assert model.keep_transposed_weights() == sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert model.layers[0].attention.wqkv.bias is not None   # the addmm path runs
+    after = run_chunks(model, ids, [9, 8], table)
+    torch.testing.assert_close(after, before, rtol=1e-6, atol=1e-6)
