@@ -72,13 +72,14 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cuda-graphs", action="store_true", help="replay uniform forwards from CUDA graphs")
     args = ap.parse_args(argv)
     if "static0" not in args.settings:
         args.settings.insert(0, "static0")
 
     t0 = time.time()
     llm = LLM(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
-              num_blocks=args.num_blocks, spec_mode="adaptive")
+              num_blocks=args.num_blocks, spec_mode="adaptive", cuda_graphs=args.cuda_graphs)
     print(f"loaded and calibrated in {time.time() - t0:.0f} s on {llm.engine.device}", flush=True)
     device = (torch.cuda.get_device_name() if llm.engine.device.type == "cuda" else "cpu")
     warm = held_out_prompts(2, 32, llm.tokenizer)
@@ -97,7 +98,7 @@ def main(argv=None) -> None:
                       f"{res['tokens_per_pass']:.2f} tok/pass", flush=True)
 
     commit = git_commit()
-    print(f"\ndevice: {device}; commit {commit}; dtype {args.dtype}; {args.num_prompts}+ held-out prompts of <= "
+    print(f"\ndevice: {device}; commit {commit}; dtype {args.dtype}; cuda_graphs {args.cuda_graphs}; {args.num_prompts}+ held-out prompts of <= "
           f"{args.prompt_tokens} tokens, {args.max_tokens} generated each, greedy; median of {args.rounds} rounds")
     print("| batch | setting | tokens/s | tokens per target pass | vs static0 | sequences equal to static0's "
           "(all rounds) | mean tokens before the first difference |")

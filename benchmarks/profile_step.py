@@ -32,9 +32,11 @@ def main(argv=None) -> None:
     ap.add_argument("--setting", default="static0")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--trace", default=None)
+    ap.add_argument("--cuda-graphs", action="store_true", help="replay uniform forwards from CUDA graphs")
     ap.add_argument("--rows", type=int, default=25)
     args = ap.parse_args(argv)
     llm = LLM(target=args.target, draft=args.draft, dtype=args.dtype, num_blocks=2048, progress=False,
+              cuda_graphs=args.cuda_graphs,
               **({"spec_mode": "adaptive"} if args.draft != "none" else {}))
     if args.draft != "none":
         if args.setting == "adaptive":

@@ -3,7 +3,7 @@
 # prometheus-client, but not msgspec): install the carried msgspec wheel, map the package's
 # sub-packages as the editable install would, build the grown pair (benchmarks/grow_pair.py)
 # into build/grown unless it is there, then run the stages named as arguments.
-#   bash scripts/device_run.sh smoke kernels bench pair engine
+#   bash scripts/device_run.sh smoke grow kernels bench pair exact profile graphs sweep engine
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/device_out}
 mkdir -p "$OUT"
@@ -42,6 +42,11 @@ for stage in "$@"; do
              --prompts-per-concurrency 2 --min-prompts 8 --concurrency ${SWEEP_CONC:-1 4 16 64} --settings ${SWEEP_SETTINGS:-adaptive none static1 static2 static3 static4} \
              --out-dir /tmp/sweep -- --max-tokens 48 --prompts-file benchmarks/data/heldout_prompts.jsonl --no-progress 2>&1 | grep -v Warning | tail -40
            tar czf $OUT/sweep.tgz -C /tmp sweep;;
+    graphs) grow >/dev/null 2>&1   # CUDA graphs: the capture test, then the pair with and without them
+           timeout 200 python -m pytest -q -x -p no:cacheprovider tests/engine/test_graphs.py 2>&1 | tail -5 | tee $OUT/graphs_test.log
+           timeout 150 python -m benchmarks.profile_step --target $G/target --batch 1 --rows 15 --cuda-graphs 2>&1 | grep -v Warning | tee $OUT/profile_graphs.log | head -25
+           timeout 300 python -m benchmarks.pair_speed --target $G/target --draft $G/draft --batch 1 16 64 --rounds 1 --cuda-graphs \
+             --out $OUT/pair_speed_graphs.json 2>&1 | grep -v Warning | tail -25 | tee $OUT/pair_speed_graphs.log;;
     engine) timeout ${ENGINE_TIMEOUT:-200} python -m pytest -q -x -p no:cacheprovider tests/engine/test_generate.py tests/engine/test_spec.py tests/engine/test_lossless.py 2>&1 | tail -25 | tee $OUT/engine.log;;
     *) echo "unknown stage $stage";;
   esac

@@ -127,6 +127,11 @@ class EngineConfig(_Section):
     # fresh mmap each (a page fault per 4 KiB every forward): specserve/cpu_malloc.py. It is
     # set for the whole process; false leaves the allocator as it is.
     cpu_heap_malloc: bool = True
+    # Decode steps, chain verify passes and draft levels replayed from CUDA graphs, each padded
+    # to a captured batch size (specserve/graphs.py): the launches of a forward cost the host
+    # more than the GPU's work at small batches. Captured at a shape's first use. Off until
+    # timed on a GPU; on the CPU the same padded path runs eagerly (slower: for tests).
+    cuda_graphs: bool = False
     seed: int = 0
     # A JSON-lines record of every engine step (plan, batch, timings, tokens): specserve/steplog.py.
     step_log: str | None = None
@@ -253,7 +258,7 @@ _SHORT_NAMES = {
 
 
 _TOP_LEVEL = ("device", "seed", "cpu_threads", "cpu_parallel_min_rows", "cpu_linear", "cpu_onednn_min_mib",
-              "cpu_heap_malloc", "step_log")
+              "cpu_heap_malloc", "cuda_graphs", "step_log")
 
 
 def with_overrides(cfg: EngineConfig, **overrides: Any) -> EngineConfig:

@@ -130,6 +130,12 @@ class LLMEngine:
         self.target = ModelRunner(target, self.target_args, num_blocks, block_size, self.device, threads)
         self.draft = (ModelRunner(draft_model, draft_args, num_blocks, block_size, self.device, threads)
                       if draft_model else None)
+        if config.cuda_graphs:
+            max_rows = max(config.spec.max_depth, 1) + 1   # a chain verify pass: depth + 1 rows
+            max_blocks = -(-(self.max_model_len + max_rows) // block_size)
+            for runner in (self.target, self.draft):
+                if runner is not None:
+                    runner.use_graphs(config.scheduler.max_num_seqs, max_rows, max_blocks)
         self.pool_bytes = num_blocks * bytes_per_block
         self.scheduler = Scheduler(config.scheduler, self.pool, self.max_model_len, has_draft_kv=self.draft is not None)
 

@@ -90,6 +90,16 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_caches = model.make_kv_caches(num_blocks, block_size, device=device)
         self.cpu_threads = cpu_threads if device.type == "cpu" and cpu_threads and cpu_threads.max_threads > 1 else None
+        self.graphs = None   # ForwardGraphs once use_graphs() is called
+
+    def use_graphs(self, max_batch: int, max_rows: int, max_blocks: int, capture: bool | None = None) -> None:
+        """Serve uniform forwards (decode, chain verify, draft levels) from CUDA graphs, padded
+        to captured batch sizes (specserve/graphs.py); on the CPU the same padded path runs
+        eagerly."""
+        from specserve.graphs import ForwardGraphs
+
+        self.graphs = ForwardGraphs(self.model, self.kv_caches, self.device, max_batch, max_rows, max_blocks,
+                                    capture=capture)
 
     @property
     def cache_tensors(self) -> list[torch.Tensor]:
@@ -152,6 +162,8 @@ class ModelRunner:
             torch.set_num_threads(restore)
 
     def _forward(self, inp: ForwardInput) -> torch.Tensor | None:
+        if self.graphs is not None and self.graphs.eligible(inp):
+            return self.model.compute_logits(self.graphs.forward(inp))
         input_ids, positions, meta, logit_rows = self.prepare(inp)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         rows = inp.logit_rows

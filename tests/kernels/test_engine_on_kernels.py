@@ -32,7 +32,8 @@ def models(tmp_path_factory):
     return target, draft
 
 
-def generate(models, tree: str, triton: bool, monkeypatch, calls: dict | None = None) -> list[list[int]]:
+def generate(models, tree: str, triton: bool, monkeypatch, calls: dict | None = None,
+             graphs: bool = False) -> list[list[int]]:
     target, draft = models
     with monkeypatch.context() as m:
         if triton:
@@ -44,7 +45,8 @@ def generate(models, tree: str, triton: bool, monkeypatch, calls: dict | None = 
                 m.setattr(ops, name, counted)
         kw = dict(spec__branching=[2, 2, 1]) if tree == "fixed" else {}
         llm = LLM(target=str(target), draft=str(draft), dtype="float32", device="cpu", progress=False,
-                  num_blocks=64, block_size=4, spec_mode="static", spec_depth=3, spec_tree=tree, **kw)
+                  num_blocks=64, block_size=4, spec_mode="static", spec_depth=3, spec_tree=tree,
+                  cuda_graphs=graphs, **kw)
         params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
                   SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True),
                   SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)]
@@ -53,11 +55,13 @@ def generate(models, tree: str, triton: bool, monkeypatch, calls: dict | None = 
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("tree", ["chain", "fixed"])
-def test_engine_on_triton_kernels_matches_reference(models, tree, monkeypatch):
+@pytest.mark.parametrize("tree, graphs", [("chain", False), ("fixed", False), ("chain", True)])
+def test_engine_on_triton_kernels_matches_reference(models, tree, graphs, monkeypatch):
+    """graphs: the uniform forwards padded into static buffers as cuda_graphs does (nothing is
+    captured on the CPU), so padding rows go through the Triton kernels too."""
     reference = generate(models, tree, triton=False, monkeypatch=monkeypatch)
     calls: dict[str, int] = {}
-    on_kernels = generate(models, tree, triton=True, monkeypatch=monkeypatch, calls=calls)
+    on_kernels = generate(models, tree, triton=True, monkeypatch=monkeypatch, calls=calls, graphs=graphs)
     assert on_kernels == reference
     # the fused forward ran (kernels/fused.py): per forward, 2 norms a layer + 1, one RoPE and
     # one SiLU a layer; and the speculative steps went through tree_accept
