@@ -131,11 +131,7 @@ class LLMEngine:
         self.draft = (ModelRunner(draft_model, draft_args, num_blocks, block_size, self.device, threads)
                       if draft_model else None)
         if config.cuda_graphs:
-            max_rows = max(config.spec.max_depth, 1) + 1   # a chain verify pass: depth + 1 rows
-            max_blocks = -(-(self.max_model_len + max_rows) // block_size)
-            for runner in (self.target, self.draft):
-                if runner is not None:
-                    runner.use_graphs(config.scheduler.max_num_seqs, max_rows, max_blocks)
+            self._use_graphs(config, block_size)
         self.pool_bytes = num_blocks * bytes_per_block
         self.scheduler = Scheduler(config.scheduler, self.pool, self.max_model_len, has_draft_kv=self.draft is not None)
 
@@ -149,6 +145,24 @@ class LLMEngine:
             "pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes per block)",
             num_blocks, block_size, num_blocks * block_size, self.pool_bytes / 2**20, bytes_per_block,
         )
+
+    def _use_graphs(self, config: EngineConfig, block_size: int) -> None:
+        """cuda_graphs: both runners serve their uniform forwards from graphs (specserve/graphs.py),
+        captured here on CUDA, before the calibration times them: decode steps and chain verify
+        passes (1 to max_depth + 1 rows a sequence) of the target, and draft levels (one row)."""
+        max_rows = max(config.spec.max_depth, 1) + 1   # a chain verify pass: depth + 1 rows
+        max_blocks = -(-(self.max_model_len + max_rows) // block_size)
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        started = time.perf_counter()
+        captured = 0
+        for runner, rows in ((self.target, range(1, max_rows + 1)), (self.draft, [1])):
+            if runner is None:
+                continue
+            runner.use_graphs(config.scheduler.max_num_seqs, max_rows, max_blocks, pool=pool)
+            if self.device.type == "cuda":
+                captured += runner.graphs.capture_all(list(rows))
+        if captured:
+            logger.info("captured %d CUDA graphs in %.1f s", captured, time.perf_counter() - started)
 
     def _size_pool(self, bytes_per_block: int) -> int:
         if self.device.type == "cuda":

@@ -52,18 +52,20 @@ class _Entry:
 
     def fill(self, inp) -> None:
         """Copy a forward's rows into the buffers, padded."""
-        B, q, Bp, W = len(inp.seq_lens), self.rows, self.batch, self.max_blocks
+        B, q, Bp = len(inp.seq_lens), self.rows, self.batch
         pad_rows = (Bp - B) * q
         longs = (inp.input_ids + [0] * pad_rows + inp.positions + [0] * pad_rows
                  + inp.slot_mapping + [-1] * pad_rows)
         seq_lens = list(inp.seq_lens) + [q] * (Bp - B)
-        ints = self.cu + seq_lens
-        for bt in inp.block_tables:
-            ints += bt
-            ints += [0] * (W - len(bt))
-        ints += [0] * ((Bp - B) * W)
+        # Only the columns this forward's longest table has: the kernels never read a row
+        # past ceil(seq_len / block_size), and a padding row reads column 0 only. (The whole
+        # [Bp, max_blocks] table, sized by max_model_len, cost more to build than a graph saves
+        # at long contexts.)
+        wb = max(len(bt) for bt in inp.block_tables)
+        tables = [bt + [0] * (wb - len(bt)) for bt in inp.block_tables] + [[0] * wb] * (Bp - B)
         self._copy(self.longs, longs, torch.int64)
-        self._copy(self.ints, ints, torch.int32)
+        self._copy(self.ints[: 2 * Bp + 1], self.cu + seq_lens, torch.int32)
+        self._copy(self.meta.block_tables[:, :wb], tables, torch.int32)
         # The CPU (reference) path reads host copies; a captured graph never looks at them.
         self.meta.seq_lens_list = seq_lens
         self.meta.max_seq_len = max(seq_lens)
@@ -80,7 +82,7 @@ class _Entry:
         self.meta.scratch = {}
 
     @staticmethod
-    def _copy(dst: torch.Tensor, values: list[int], dtype: torch.dtype) -> None:
+    def _copy(dst: torch.Tensor, values: list, dtype: torch.dtype) -> None:
         if dst.is_cuda:
             src = torch.tensor(values, dtype=dtype, pin_memory=True)
             dst.copy_(src, non_blocking=True)   # the host allocator keeps src until the copy ran
@@ -92,13 +94,16 @@ class ForwardGraphs:
     """The graphs (or, on the CPU, the padded buffers) of one model runner."""
 
     def __init__(self, model: torch.nn.Module, kv_caches, device: torch.device, max_batch: int,
-                 max_rows: int, max_blocks: int, capture: bool | None = None):
+                 max_rows: int, max_blocks: int, capture: bool | None = None, pool=None):
+        """pool: a graph memory pool to capture into (torch.cuda.graph_pool_handle()), shared
+        with the other runner's graphs: one stream runs them one at a time and each output is
+        read before the next replay, so their scratch memory can be the same."""
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.sizes = [s for s in SIZES if s < max_batch] + [max_batch]
         self.max_rows, self.max_blocks = max_rows, max_blocks
         self.capture = device.type == "cuda" if capture is None else capture
         self.entries: dict[tuple[int, int], _Entry] = {}
-        self.pool = None   # the memory pool all this runner's graphs share
+        self.pool = pool   # the memory pool the graphs share (None: the first capture's)
         self.replays = 0   # forwards served from the buffers (the tests count them)
 
     def eligible(self, inp) -> bool:
@@ -106,22 +111,38 @@ class ForwardGraphs:
         if B == 0 or B > self.sizes[-1]:
             return False
         q = inp.query_lens[0]
-        if q > self.max_rows or any(n != q for n in inp.query_lens) or any(m is not None for m in inp.masks):
+        if not 1 <= q <= self.max_rows or any(n != q for n in inp.query_lens) or any(m is not None for m in inp.masks):
             return False
-        rows = inp.logit_rows
-        if len(rows) != inp.num_rows or (rows and (rows[0] != 0 or rows[-1] != inp.num_rows - 1)):
+        if inp.logit_rows != list(range(inp.num_rows)):
             return False
         return max(len(bt) for bt in inp.block_tables) <= self.max_blocks
+
+    @torch.inference_mode()
+    def capture_all(self, rows: list[int]) -> int:
+        """Capture every (batch size, rows) now, largest first (the pool then fits the smaller
+        ones into the largest's memory), instead of at first use inside a timed step: a capture
+        there costs the step two warm-up forwards and the capture, and the controller would
+        book that as the pass's cost. Returns the number of shapes captured."""
+        count = 0
+        for q in sorted(rows, reverse=True):
+            for Bp in reversed(self.sizes):
+                if (Bp, q) not in self.entries:
+                    self._entry(Bp, q)
+                    count += 1
+        return count
+
+    def _entry(self, Bp: int, q: int) -> _Entry:
+        entry = _Entry(Bp, q, self.max_blocks, self.device)
+        if self.capture:
+            self._capture(entry)   # registered only once captured: a failed capture raises
+        self.entries[(Bp, q)] = entry
+        return entry
 
     def forward(self, inp) -> torch.Tensor:
         """The hidden rows [T, H] of an eligible forward (a view: read it before the next one)."""
         B, q = len(inp.seq_lens), inp.query_lens[0]
         Bp = next(s for s in self.sizes if s >= B)
-        entry = self.entries.get((Bp, q))
-        if entry is None:
-            entry = self.entries[(Bp, q)] = _Entry(Bp, q, self.max_blocks, self.device)
-            if self.capture:
-                self._capture(entry)
+        entry = self.entries.get((Bp, q)) or self._entry(Bp, q)
         entry.fill(inp)
         self.replays += 1
         if entry.graph is not None:

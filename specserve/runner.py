@@ -92,14 +92,15 @@ class ModelRunner:
         self.cpu_threads = cpu_threads if device.type == "cpu" and cpu_threads and cpu_threads.max_threads > 1 else None
         self.graphs = None   # ForwardGraphs once use_graphs() is called
 
-    def use_graphs(self, max_batch: int, max_rows: int, max_blocks: int, capture: bool | None = None) -> None:
+    def use_graphs(self, max_batch: int, max_rows: int, max_blocks: int, capture: bool | None = None,
+                   pool=None) -> None:
         """Serve uniform forwards (decode, chain verify, draft levels) from CUDA graphs, padded
         to captured batch sizes (specserve/graphs.py); on the CPU the same padded path runs
         eagerly."""
         from specserve.graphs import ForwardGraphs
 
         self.graphs = ForwardGraphs(self.model, self.kv_caches, self.device, max_batch, max_rows, max_blocks,
-                                    capture=capture)
+                                    capture=capture, pool=pool)
 
     @property
     def cache_tensors(self) -> list[torch.Tensor]:

@@ -207,6 +207,20 @@ class Speculator:
 
     def calibrate(self, max_batch_size: int, context: int = 32,
                   longer_contexts: Sequence[int] = (128, 256)) -> None:
+        """_calibrate, with the target's verify passes timed as they will run: tree passes carry
+        a mask and never run from CUDA graphs (cuda_graphs), so for trees the calibration's
+        maskless passes must not either."""
+        target = self.engine.target
+        graphs = target.graphs
+        if graphs is not None and self.tree_kind != "chain":
+            target.graphs = None
+        try:
+            self._calibrate(max_batch_size, context, longer_contexts)
+        finally:
+            target.graphs = graphs
+
+    def _calibrate(self, max_batch_size: int, context: int = 32,
+                   longer_contexts: Sequence[int] = (128, 256)) -> None:
         """Warm-start the controller's cost tables with dummy forwards (DESIGN.md §6): one
         verify pass per (batch size, nodes per sequence), one draft step per batch size, and
         the draft levels of a whole step at a few depths, all at `context` tokens per sequence;
@@ -227,7 +241,7 @@ class Speculator:
 
         num_blocks = engine.pool.num_blocks
 
-        def batch(batch_size: int, rows_per_seq: int, ctx: int = context) -> ForwardInput:
+        def batch(batch_size: int, rows_per_seq: int, ctx: int = context, last_only: bool = False) -> ForwardInput:
             # Each dummy sequence on blocks of its own (wrapping round the pool only when it is
             # too small), as real sequences are: attention gathering 64 sequences' context from
             # the same few blocks reads them from the caches and costs less per token than the
@@ -238,14 +252,16 @@ class Speculator:
                 blocks = [(i * per_seq + j) % num_blocks for j in range(per_seq)]
                 inp.add([0] * rows_per_seq, list(range(ctx, ctx + rows_per_seq)),
                         slots_for(blocks, block_size, ctx, rows_per_seq), blocks,
-                        ctx + rows_per_seq, logit_rows=list(range(rows_per_seq)))
+                        ctx + rows_per_seq, logit_rows=[rows_per_seq - 1] if last_only else list(range(rows_per_seq)))
             return inp
 
         def draft_levels(batch_size: int, depth: int) -> float:
             """A step's draft levels as the engine runs them: after a target pass (which evicts
             the draft's weights from the caches), a first level of two rows per sequence (the
             catch-up) and depth - 1 levels of one, each read back (the tree grows on the host)."""
-            verify, first, later = batch(batch_size, 1), batch(batch_size, 2), batch(batch_size, 1)
+            # the catch-up wants the last row's logits only, as drafts/model.py asks (with
+            # cuda_graphs such a level runs eagerly, and so must its timing)
+            verify, first, later = batch(batch_size, 1), batch(batch_size, 2, last_only=True), batch(batch_size, 1)
             best = float("inf")
             for _ in range(2):  # the first run warms up; keep the faster
                 engine.target.forward(verify)[-1, 0].item()

@@ -52,6 +52,9 @@ def test_padded_buffers_give_the_plain_runners_tokens(models, kw):
     assert engine.target.graphs is not None and engine.target.graphs.replays > 0
     if kw.get("draft") != "none":
         assert engine.draft.graphs.replays > 0
+        # the draft's first level of a step (the catch-up: 2 rows, the last one's logits) runs
+        # eagerly, and the start-up calibration times it so: only one-row levels in the buffers
+        assert {q for _, q in engine.draft.graphs.entries} == {1}
         # a verify pass of depth 3 is 4 rows a sequence: captured shapes of more than one row
         assert any(q > 1 for _, q in engine.target.graphs.entries) or kw["spec_mode"] == "adaptive"
 
@@ -76,6 +79,9 @@ def test_which_forwards_the_graphs_take():
     assert not graphs.eligible(_forward_input([2, 2], masks=[[[True, False], [True, True]], None]))   # a tree
     assert not graphs.eligible(_forward_input([2, 2], all_logits=False))  # logits of some rows only
     assert not graphs.eligible(_forward_input([1] * 9))                   # more sequences than captured
+    dup = _forward_input([2, 2])
+    dup.logit_rows[:] = [0, 0, 2, 3]
+    assert not graphs.eligible(dup)                                       # rows asked twice
 
 
 def test_padding_rows_write_no_kv(models):
