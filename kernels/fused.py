@@ -14,7 +14,10 @@ layer:
 Each rounds where the torch ops it replaces round (bf16/fp16: the residual sum, the
 normalised row before the weight, each RoPE product, the SiLU before the product), so a
 16-bit model computes what the eager ops compute, up to the float32 reduction order inside
-the norm. Every program reads one row, so a row's result does not depend on the batch.
+the norm and, in RoPE, a rare element one rounding away: on the H100 the compiled kernel
+differed there (Triton may contract the two products into an FMA or fold a rounding), by no
+more than one rounding of each product. Every program reads one row, so a row's result does
+not depend on the batch, which is what keeps greedy speculation exact.
 On the CPU the model keeps its torch ops (kernels/ops.py dispatches).
 """
 

@@ -1,8 +1,9 @@
 """kernels/fused.py against the torch ops they replace (the model's op-by-op forward).
 
 16-bit results must equal the torch ops' bit for bit where no float32 reduction is involved
-(the residual sum, SiLU and its product, RoPE and the pool write); the norm sums in float32
-in another order, so it may differ by one unit in the last place of a few elements. Triton's
+(the residual sum, SiLU and its product, the pool write), except RoPE compiled for a GPU (see
+its test); the norm sums in float32 in another order, so it may differ by one unit in the last
+place of a few elements. Triton's
 interpreter (the CPU runs of these tests) rounds float32 to bfloat16 toward zero whatever the
 kernel asks (checked against Triton 3.6's: `.to(tl.bfloat16, fp_downcast_rounding="rtne")`
 truncates too), where a GPU rounds to nearest as torch does; there bfloat16 results are held
@@ -122,15 +123,23 @@ def test_rope_write_kv_rotates_q_and_k_and_writes_the_pool(dtype, hq, hkv, d):
     a = _round(x * cos.float(), dtype).float()
     b = _round(x.roll(d // 2, dims=-1) * sin.float(), dtype).float()
     spelled = _round(a + b, dtype)
-    assert torch.equal(q, spelled[:, :hq])
-    if not INTERPRETED or dtype != torch.bfloat16:
-        assert torch.equal(q, want_q)
+    # Compiled for a GPU, Triton may contract x*cos + xr*sin into one FMA (float32) or fold an
+    # intermediate rounding (16-bit): the first H100 run of this test found rare elements one
+    # rounding away from torch's. Held there to the error of one rounding of each product.
+    bound = 2 * torch.finfo(dtype).eps * ((x * cos.float()).abs() + (x.roll(d // 2, dims=-1) * sin.float()).abs())
+    if INTERPRETED:
+        assert torch.equal(q, spelled[:, :hq])
+        if dtype != torch.bfloat16:
+            assert torch.equal(q, want_q)
+    else:
+        assert bool(((q.float() - want_q.float()).abs() <= bound[:, :hq] + 1e-30).all())
     flat_k, flat_v = k_cache.view(nb * bs, hkv, d), v_cache.view(nb * bs, hkv, d)
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
-            assert torch.equal(flat_k[slot], spelled[t, hq:])
-            if not INTERPRETED or dtype != torch.bfloat16:
-                assert torch.equal(flat_k[slot], want_k[t])
+            if INTERPRETED:
+                assert torch.equal(flat_k[slot], spelled[t, hq:])
+            else:
+                assert bool(((flat_k[slot].float() - want_k[t].float()).abs() <= bound[t, hq:] + 1e-30).all())
             assert torch.equal(flat_v[slot], v_t[t].reshape(hkv, d))   # v is copied, never rounded
     written = [s for s in slots.tolist() if s >= 0]
     untouched = [s for s in range(nb * bs) if s not in written]
