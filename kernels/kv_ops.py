@@ -64,7 +64,7 @@ def write_kv(
     _write_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, ROW=row, BLOCK=_row_block(row))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])   # the slot count changes every step
 def _gather_rows_kernel(
     cache_ptrs,  # [C] int64 addresses of the caches of one group (same dtype and ROW)
     slots_ptr,  # [M] int64
@@ -83,7 +83,7 @@ def _gather_rows_kernel(
         tl.store(tmp_ptr + (c * M + m) * ROW + offs, vals, mask=offs < ROW)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])   # the slot count changes every step
 def _scatter_rows_kernel(
     cache_ptrs,  # [C] int64
     slots_ptr,  # [M] int64

@@ -26,7 +26,13 @@ import triton.language as tl
 from specserve.model.attention import AttentionMetadata
 
 
-@triton.jit
+# Triton compiles a variant per integer argument equal to 1 or divisible by 16, and per
+# pointer 16-byte aligned or not. The table stride (the longest sequence's blocks) and the
+# metadata views (slices of one packed buffer) change from step to step: each new variant
+# would be a compile (about a second) inside a served step, booked by the controller as the
+# pass's cost. These arguments gain nothing from specialising.
+@triton.jit(do_not_specialize=["stride_bt", "stride_mask"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "cu_query_lens_ptr", "seq_lens_ptr", "mask_ptr"])
 def _paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [NB, BS, Hkv, D]

@@ -57,7 +57,7 @@ def _copy_row(dst_ptr, src_ptr, V, BLOCK_V: tl.constexpr):
     return tl.sum(total, axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "MAX_DEPTH"])   # per-step sizes: no compile per new value class
 def _tree_accept_kernel(
     target_probs_ptr,  # [B, N+1, V] fp32
     target_argmax_ptr,  # [B, N+1] int64
