@@ -128,6 +128,15 @@ def make_checkpoint(
     return dir
 
 
+def make_float32_pair(root) -> tuple[Path, Path]:
+    """A 2-layer float32 target and an unrelated 1-layer draft (random init, the same
+    tokenizer) under root: a small pair whose draft is accepted now and then."""
+    root = Path(root)
+    target = make_checkpoint(root / "target", "llama", dtype=torch.float32, num_hidden_layers=2)
+    draft = make_checkpoint(root / "draft", "llama", dtype=torch.float32, seed=1, num_hidden_layers=1)
+    return target, draft
+
+
 def rewrite_config(dir, **changes) -> dict:
     """Edit config.json in place (None deletes a key); returns the new contents."""
     file = Path(dir) / "config.json"

@@ -11,17 +11,14 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.graphs import ForwardGraphs
 from specserve.runner import ForwardInput
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import make_float32_pair
 
 PROMPTS = [[5, 9, 2, 7, 11, 3], [4, 4, 8], [13, 1, 6, 2, 9, 9, 10, 12, 3], [7, 7, 7, 1, 2]]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("graphs")
-    target = make_checkpoint(root / "target", "llama", dtype=torch.float32, num_hidden_layers=2)
-    draft = make_checkpoint(root / "draft", "llama", dtype=torch.float32, seed=1, num_hidden_layers=1)
-    return target, draft
+    return make_float32_pair(tmp_path_factory.mktemp("graphs"))
 
 
 def run(models, graphs: bool, **kw):

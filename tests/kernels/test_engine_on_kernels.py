@@ -12,11 +12,10 @@ one token.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from specserve import LLM, SamplingParams
 from specserve.kernels import ops
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import make_float32_pair
 from tests.kernels._device import INTERPRETED
 
 pytestmark = pytest.mark.skipif(not INTERPRETED, reason="on a GPU the engine tests run these kernels natively")
@@ -26,10 +25,7 @@ PROMPTS = [[5, 9, 2, 7, 11, 3], [4, 4, 8], [13, 1, 6, 2, 9, 9, 10, 12, 3]]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("on_kernels")
-    target = make_checkpoint(root / "target", "llama", dtype=torch.float32, num_hidden_layers=2)
-    draft = make_checkpoint(root / "draft", "llama", dtype=torch.float32, seed=1, num_hidden_layers=1)
-    return target, draft
+    return make_float32_pair(tmp_path_factory.mktemp("on_kernels"))
 
 
 def generate(models, tree: str, triton: bool, monkeypatch, calls: dict | None = None,
