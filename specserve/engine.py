@@ -149,13 +149,14 @@ class LLMEngine:
     def _use_graphs(self, config: EngineConfig, block_size: int) -> None:
         """cuda_graphs: both runners serve their uniform forwards from graphs (specserve/graphs.py),
         captured here on CUDA, before the calibration times them: decode steps and chain verify
-        passes (1 to max_depth + 1 rows a sequence) of the target, and draft levels (one row)."""
+        passes (1 to max_depth + 1 rows a sequence) of the target, and draft levels (one row)
+        and catch-ups (two rows)."""
         max_rows = max(config.spec.max_depth, 1) + 1   # a chain verify pass: depth + 1 rows
         max_blocks = -(-(self.max_model_len + max_rows) // block_size)
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         started = time.perf_counter()
         captured = 0
-        for runner, rows in ((self.target, range(1, max_rows + 1)), (self.draft, [1])):
+        for runner, rows in ((self.target, range(1, max_rows + 1)), (self.draft, [1, 2])):
             if runner is None:
                 continue
             runner.use_graphs(config.scheduler.max_num_seqs, max_rows, max_blocks, pool=pool)

@@ -5,15 +5,15 @@ The first H100 profile (benchmarks/RESULTS.md, "On a GPU") found a batch-1 step 
 of some 560 kernels. A captured graph replays them all in one launch.
 
 A forward qualifies when every sequence has the same number of rows q, no tree mask, and
-every row's logits are wanted (a decode step: q = 1; a chain verify pass: q = depth + 1; a
-draft level). It is padded to the next captured batch size Bp (`SIZES`, up to max_num_seqs):
+some row's logits are wanted (a decode step: q = 1; a chain verify pass: q = depth + 1; a
+draft level; a draft catch-up of two rows a sequence, the last one's logits). It is padded to the next captured batch size Bp (`SIZES`, up to max_num_seqs):
 padding rows read token 0 at position 0, write no KV (slot -1) and see q keys of block 0;
 being rows of their own in every per-row op, they change nothing in the real rows. Each
 (Bp, q) has static input buffers and, on CUDA, a graph captured at its first use (after two
 eager warm-up runs, so that Triton compiles outside the capture) into one memory pool that
 all the runner's graphs share; the hidden rows come back as a view of the graph's output
-and the LM head runs eagerly on the real rows only (a [Bp*q, vocab] output per graph would
-cost gigabytes across graphs).
+and the LM head runs eagerly on the rows whose logits are wanted (a [Bp*q, vocab] output per
+graph would cost gigabytes across graphs).
 
 On the CPU there is nothing to capture: `capture=False` runs the same padded forward on the
 same buffers eagerly, which is what the tests check (and what makes `cuda_graphs = true`
@@ -104,6 +104,7 @@ class ForwardGraphs:
         self.capture = device.type == "cuda" if capture is None else capture
         self.entries: dict[tuple[int, int], _Entry] = {}
         self.pool = pool   # the memory pool the graphs share (None: the first capture's)
+        self.rows: set[int] | None = None   # after capture_all: the row counts captured, the only ones served
         self.replays = 0   # forwards served from the buffers (the tests count them)
 
     def eligible(self, inp) -> bool:
@@ -113,7 +114,9 @@ class ForwardGraphs:
         q = inp.query_lens[0]
         if not 1 <= q <= self.max_rows or any(n != q for n in inp.query_lens) or any(m is not None for m in inp.masks):
             return False
-        if inp.logit_rows != list(range(inp.num_rows)):
+        if not inp.logit_rows:   # a prompt chunk that only writes KV: nothing to read back
+            return False
+        if self.rows is not None and q not in self.rows:   # never capture inside a served step
             return False
         return max(len(bt) for bt in inp.block_tables) <= self.max_blocks
 
@@ -124,6 +127,7 @@ class ForwardGraphs:
         there costs the step two warm-up forwards and the capture, and the controller would
         book that as the pass's cost. Returns the number of shapes captured."""
         count = 0
+        self.rows = (self.rows or set()) | set(rows)
         for q in sorted(rows, reverse=True):
             for Bp in reversed(self.sizes):
                 if (Bp, q) not in self.entries:

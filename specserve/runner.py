@@ -164,14 +164,18 @@ class ModelRunner:
 
     def _forward(self, inp: ForwardInput) -> torch.Tensor | None:
         if self.graphs is not None and self.graphs.eligible(inp):
-            return self.model.compute_logits(self.graphs.forward(inp))
-        input_ids, positions, meta, logit_rows = self.prepare(inp)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            hidden = self.graphs.forward(inp)
+            logit_rows = None
+        else:
+            input_ids, positions, meta, logit_rows = self.prepare(inp)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         rows = inp.logit_rows
         if not rows:
             return None
         if rows == list(range(rows[0], rows[0] + len(rows))):  # a run of rows (decode, verify, chain draft)
             hidden = hidden[rows[0] : rows[0] + len(rows)]
         else:
+            if logit_rows is None:
+                logit_rows = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
             hidden = hidden.index_select(0, logit_rows)
         return self.model.compute_logits(hidden)

@@ -259,8 +259,7 @@ class Speculator:
             """A step's draft levels as the engine runs them: after a target pass (which evicts
             the draft's weights from the caches), a first level of two rows per sequence (the
             catch-up) and depth - 1 levels of one, each read back (the tree grows on the host)."""
-            # the catch-up wants the last row's logits only, as drafts/model.py asks (with
-            # cuda_graphs such a level runs eagerly, and so must its timing)
+            # the catch-up wants the last row's logits only, as drafts/model.py asks
             verify, first, later = batch(batch_size, 1), batch(batch_size, 2, last_only=True), batch(batch_size, 1)
             best = float("inf")
             for _ in range(2):  # the first run warms up; keep the faster

@@ -49,9 +49,8 @@ def test_padded_buffers_give_the_plain_runners_tokens(models, kw):
     assert engine.target.graphs is not None and engine.target.graphs.replays > 0
     if kw.get("draft") != "none":
         assert engine.draft.graphs.replays > 0
-        # the draft's first level of a step (the catch-up: 2 rows, the last one's logits) runs
-        # eagerly, and the start-up calibration times it so: only one-row levels in the buffers
-        assert {q for _, q in engine.draft.graphs.entries} == {1}
+        # the draft's levels, and catch-ups of a few rows a sequence (the last one's logits)
+        assert 1 in {q for _, q in engine.draft.graphs.entries}
         # a verify pass of depth 3 is 4 rows a sequence: captured shapes of more than one row
         assert any(q > 1 for _, q in engine.target.graphs.entries) or kw["spec_mode"] == "adaptive"
 
@@ -74,11 +73,14 @@ def test_which_forwards_the_graphs_take():
     assert not graphs.eligible(_forward_input([1, 3]))                    # rows differ (a prompt chunk)
     assert not graphs.eligible(_forward_input([5]))                       # more rows than captured
     assert not graphs.eligible(_forward_input([2, 2], masks=[[[True, False], [True, True]], None]))   # a tree
-    assert not graphs.eligible(_forward_input([2, 2], all_logits=False))  # logits of some rows only
+    assert graphs.eligible(_forward_input([2, 2], all_logits=False))      # logits of the last rows (a catch-up)
     assert not graphs.eligible(_forward_input([1] * 9))                   # more sequences than captured
-    dup = _forward_input([2, 2])
-    dup.logit_rows[:] = [0, 0, 2, 3]
-    assert not graphs.eligible(dup)                                       # rows asked twice
+    graphs.rows = {1, 2}   # as capture_all leaves it on CUDA: only the captured row counts
+    assert graphs.eligible(_forward_input([2, 2])) and not graphs.eligible(_forward_input([3, 3]))
+    graphs.rows = None
+    none = _forward_input([2, 2])
+    none.logit_rows.clear()
+    assert not graphs.eligible(none)                                      # a chunk that only writes KV
 
 
 def test_padding_rows_write_no_kv(models):
