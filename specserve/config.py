@@ -127,10 +127,11 @@ class EngineConfig(_Section):
     # fresh mmap each (a page fault per 4 KiB every forward): specserve/cpu_malloc.py. It is
     # set for the whole process; false leaves the allocator as it is.
     cpu_heap_malloc: bool = True
-    # Decode steps, chain verify passes and draft levels replayed from CUDA graphs, each padded
-    # to a captured batch size (specserve/graphs.py): the launches of a forward cost the host
-    # more than the GPU's work at small batches. Captured at a shape's first use. Off until
-    # timed on a GPU; on the CPU the same padded path runs eagerly (slower: for tests).
+    # Decode steps, chain verify passes, draft levels and catch-ups replayed from CUDA graphs,
+    # each padded to a captured batch size (specserve/graphs.py; all captured at start-up): the
+    # launches of a forward cost the host more than the GPU's work at small batches (on the
+    # H100 plain decoding of the embedded pair ran 15x faster at batch 1). Off until run with
+    # a large pair and with speculation; on the CPU the same padded path runs eagerly (for tests).
     cuda_graphs: bool = False
     seed: int = 0
     # A JSON-lines record of every engine step (plan, batch, timings, tokens): specserve/steplog.py.
