@@ -572,11 +572,28 @@ class Speculator:
                 u = torch.rand(n + 1)
             uniforms[i, :n] = u[:n]
             uniforms[i, n:] = u[n]
-        accepted, num_accepted, bonus = ops.tree_accept(
-            probs, target_argmax, draft_probs, tokens.to(dev), parents.to(dev), is_sampled.to(dev),
-            num_nodes.to(dev), is_greedy.to(dev), uniforms.to(dev),
-        )
-        accepted, num_accepted, bonus = accepted.tolist(), num_accepted.tolist(), bonus.tolist()
+        if not ops.on_triton(logits):   # the torch reference (CPU): nothing to copy or wait for
+            accepted, num_accepted, bonus = ops.tree_accept(
+                probs, target_argmax, draft_probs, tokens, parents, is_sampled, num_nodes, is_greedy, uniforms)
+            accepted, num_accepted, bonus = accepted.tolist(), num_accepted.tolist(), bonus.tolist()
+        else:
+            # On a GPU every host-to-device copy from pageable memory and every read back waits
+            # for the device: the five integer inputs travel as one int64 buffer (cast there),
+            # and the three outputs come back as one. (tests/kernels/test_engine_on_kernels.py
+            # runs this branch on the CPU.)
+            N = max_nodes
+            packed = torch.cat([tokens.flatten(), parents.flatten().long(), is_sampled.flatten().long(),
+                                num_nodes.long(), is_greedy.long()]).to(dev)
+            t_d, p_d, s_d, n_d, g_d = packed.split_with_sizes([num_seqs * N] * 3 + [num_seqs] * 2)
+            accepted, num_accepted, bonus = ops.tree_accept(
+                probs, target_argmax, draft_probs, t_d.view(num_seqs, N), p_d.view(num_seqs, N).int(),
+                s_d.view(num_seqs, N).bool(), n_d.int(), g_d.bool(), uniforms.to(dev),
+            )
+            width = accepted.shape[1]
+            back = torch.cat([accepted.flatten().long(), num_accepted.long(), bonus.long()]).tolist()
+            accepted = [back[i * width:(i + 1) * width] for i in range(num_seqs)]
+            num_accepted = back[num_seqs * width: num_seqs * width + num_seqs]
+            bonus = back[num_seqs * width + num_seqs:]
 
         out: dict[str, list[int]] = {}
         src, dst = [], []
