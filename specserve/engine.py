@@ -153,6 +153,9 @@ class LLMEngine:
         and catch-ups (two rows)."""
         max_rows = max(config.spec.max_depth, 1) + 1   # a chain verify pass: depth + 1 rows
         max_blocks = -(-(self.max_model_len + max_rows) // block_size)
+        if self.device.type != "cuda":
+            logger.warning("cuda_graphs = true on %s: nothing to capture; the padded forwards run eagerly "
+                           "(what the tests check), slower than without", self.device.type)
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         started = time.perf_counter()
         captured = 0
