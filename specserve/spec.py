@@ -210,6 +210,7 @@ class Speculator:
         """_calibrate, with the target's verify passes timed as they will run: tree passes carry
         a mask and never run from CUDA graphs (cuda_graphs), so for trees the calibration's
         maskless passes must not either."""
+        self._warm_kernels()
         target = self.engine.target
         graphs = target.graphs
         if graphs is not None and self.tree_kind != "chain":
@@ -218,6 +219,32 @@ class Speculator:
             self._calibrate(max_batch_size, context, longer_contexts)
         finally:
             target.graphs = graphs
+
+    def _warm_kernels(self) -> None:
+        """On the Triton path: compile tree_accept (greedy and sampled, one node and two) and
+        copy_slots (one slot and two) now. The forwards below compile the attention and the
+        fused kernels; these two would otherwise compile at their first use in a served step
+        (about a second each on the H100), which the controller would book as that step's cost."""
+        engine = self.engine
+        dev = engine.device
+        if not ops.on_triton(torch.empty(0, device=dev)):
+            return
+        for V in (1, engine.target_args.vocab_size):
+            for N in (1, 2):
+                probs = torch.full((1, N + 1, V), 1.0 / V, device=dev)
+                ops.tree_accept(
+                    probs, torch.zeros(1, N + 1, dtype=torch.long, device=dev), probs[:, :N].contiguous(),
+                    torch.zeros(1, N, dtype=torch.long, device=dev),
+                    torch.arange(-1, N - 1, dtype=torch.int32, device=dev).view(1, N),
+                    torch.full((1, N), V > 1, dtype=torch.bool, device=dev),
+                    torch.full((1,), N, dtype=torch.int32, device=dev),
+                    torch.full((1,), V == 1, dtype=torch.bool, device=dev),
+                    torch.rand(1, N + 1, device=dev),
+                )
+        caches = engine.target.cache_tensors
+        for m in (1, 2):   # slot 0 onto itself: the pool is empty at start-up
+            slots = torch.zeros(m, dtype=torch.long, device=dev)
+            ops.copy_slots(caches, slots, slots)
 
     def _calibrate(self, max_batch_size: int, context: int = 32,
                    longer_contexts: Sequence[int] = (128, 256)) -> None:
