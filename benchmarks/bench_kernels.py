@@ -1,5 +1,6 @@
 """Kernel microbenchmarks (GPU): paged attention decode/prefill/tree-verify against a plain
-torch equivalent, with achieved bandwidth; tree_accept against its reference.
+torch equivalent, with achieved bandwidth; tree_accept against its reference; the fused
+per-row kernels (kernels/fused.py) against the torch ops they replace, device and host time.
 
     python benchmarks/bench_kernels.py [--dtype float16] [--quick]
 
@@ -148,6 +149,67 @@ def bench_tree_accept(batch, vocab, depth, width):
     )
 
 
+def host_ms(fn, iters=200) -> float:
+    """Host time per call, in ms, of a launch sequence the device keeps up with: what a
+    host-bound step pays for it (CUDA events time the device instead)."""
+    import time
+
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host = (time.perf_counter() - start) / iters * 1e3
+    torch.cuda.synchronize()
+    return host
+
+
+def bench_fused(tokens: int, dtype, device: str = "cuda") -> None:
+    """kernels/fused.py against the torch ops of the op-by-op forward, Llama-8B shapes (hidden
+    4096, 32/8 heads of 128, MLP 14336): device ms (CUDA events) and host ms per call."""
+    import torch.nn.functional as F
+
+    from specserve.kernels import fused
+    from specserve.kernels import ops as kops
+    from specserve.model.llama import RMSNorm, apply_rope, rope_full_tables
+
+    H, hq, hkv, d, inter = 4096, 32, 8, 128, 14336
+    x = torch.randn(tokens, H, device=device, dtype=dtype)
+    res = torch.randn(tokens, H, device=device, dtype=dtype)
+    norm = RMSNorm(H, 1e-5).to(device=device, dtype=dtype)
+    gate_up = torch.randn(tokens, 2 * inter, device=device, dtype=dtype)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, device=device, dtype=dtype)
+    angles = torch.rand(tokens, d // 2, device=device) * 6
+    cos, sin = rope_full_tables(angles.cos(), angles.sin(), dtype)
+    k_cache = torch.zeros(1024, 16, hkv, d, device=device, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(1024 * 16, device=device)[:tokens]
+
+    def torch_norm():
+        h = res + x
+        return norm.forward(h), h
+
+    def torch_rope():
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q, k = apply_rope(torch.cat([q.reshape(tokens, hq, d), k.reshape(tokens, hkv, d)], dim=1), cos, sin
+                          ).split_with_sizes([hq, hkv], dim=1)
+        q, k = q.contiguous(), k.contiguous()
+        kops.write_kv(k, v.reshape(tokens, hkv, d).contiguous(), k_cache, v_cache, slots)
+        return q
+
+    def torch_silu():
+        g, u = gate_up.chunk(2, dim=-1)
+        return F.silu(g) * u
+
+    cases = [("add + RMSNorm", torch_norm, lambda: fused.add_rms_norm(x, res, norm.weight, 1e-5)),
+             ("RoPE + KV write", torch_rope, lambda: fused.rope_write_kv(qkv, cos, sin, k_cache, v_cache, slots, hq)),
+             ("SiLU * up", torch_silu, lambda: fused.silu_mul(gate_up))]
+    for name, eager, fused_fn in cases:
+        print(f"fused {name:16s} T={tokens:<5d} device: torch {time_ms(eager):7.4f} ms  fused {time_ms(fused_fn):7.4f} ms"
+              f"   host: torch {host_ms(eager):7.4f} ms  fused {host_ms(fused_fn):7.4f} ms")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
@@ -179,6 +241,9 @@ def main() -> int:
                         *llama8b, 16, dtype, ceiling, tree_mask=mask)  # fmt: skip
     for batch, vocab in ((1, 32000), (16, 128256), (64, 151936 // scale)):
         bench_tree_accept(batch, vocab, depth=4, width=2)
+    if dtype != torch.float32:
+        for tokens in (1, 64, 2048 // scale):
+            bench_fused(tokens, dtype)
     return 0
 
 

@@ -37,6 +37,8 @@ for stage in "$@"; do
            [ -n "${PROFILE_SPEC:-}" ] && timeout 150 python -m benchmarks.profile_step --target $G/target --draft $G/draft --setting static3 --batch 1 --rows 30 2>&1 | grep -v Warning | tee $OUT/profile_static3.log | head -50;;
     sweep) grow >/dev/null 2>&1
            printf '[target]\npath = "target"\ndtype = "bfloat16"\n\n[draft]\nkind = "model"\npath = "draft"\ndtype = "bfloat16"\n\n[spec]\nmode = "adaptive"\nmax_depth = 8\n\n[cache]\nnum_blocks = 4096\n\n[server]\nserved_model_name = "grown-8b"\n' > $G/pair.toml
+           # SWEEP_GRAPHS=1: serve with cuda_graphs (a top-level key, so it goes before the tables)
+           [ -n "${SWEEP_GRAPHS:-}" ] && sed -i '1i cuda_graphs = true\n' $G/pair.toml
            rm -rf /tmp/sweep
            timeout ${SWEEP_TIMEOUT:-420} python -m benchmarks.sweep --model grown-8b --config $G/pair.toml --interleave --rounds 1 --one-process --step-logs \
              --prompts-per-concurrency 2 --min-prompts 8 --concurrency ${SWEEP_CONC:-1 4 16 64} --settings ${SWEEP_SETTINGS:-adaptive none static1 static2 static3 static4} \
