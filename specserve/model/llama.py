@@ -285,7 +285,7 @@ class Attention(nn.Module):
         # q and k rotate together: one RoPE over [T, Hq + Hkv, D].
         q, k = apply_rope(torch.cat([q, k], dim=1), cos, sin).split_with_sizes(
             [self.num_heads, self.num_kv_heads], dim=1)
-        q, k = q.contiguous(), k.contiguous()
+        k = k.contiguous()
         k_cache, v_cache = kv_cache
         # This step's K/V go into the pool first; attention then reads every visible key
         # (context and this step's own tokens) from the pool.
@@ -376,7 +376,8 @@ class CausalLM(nn.Module):
         """Give every linear layer a transposed view of its weight, so that `linear` is one
         torch.mm (the same cuBLAS call F.linear ends in) instead of four dispatched ops: in
         the H100 profile of a host-bound batch-1 step, linear/matmul/t around the mm took
-        about 7% of the host's time. A view, no copy; made again if a weight is replaced.
+        about 7% of the host's time. A view, no copy: call this again if a weight is replaced
+        (nothing does after loading).
         Returns the number of layers given one."""
         count = 0
         for module in self.modules():
