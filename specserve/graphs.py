@@ -44,7 +44,7 @@ class _Entry:
         self.cu = [i * rows for i in range(batch + 1)]
         self.meta = AttentionMetadata(
             slot_mapping=slots, block_tables=tables.view(batch, max_blocks), cu_query_lens=cu, seq_lens=seq_lens,
-            max_query_len=rows, max_seq_len=max_blocks, custom_mask=None,
+            max_query_len=rows, max_seq_len=rows, custom_mask=None,
             cu_query_lens_list=self.cu, seq_lens_list=[rows] * batch, has_skipped_slots=True,
         )
         self.graph: torch.cuda.CUDAGraph | None = None
