@@ -1275,27 +1275,33 @@ class AdaptiveController:
         commit nothing for it and its rows beyond are not verified (None: no cap)."""
         B = max(1, batch_size)
         ids = list(request_ids) or [None] * B
+        K = self.max_depth
         g = self.global_acceptance()
-        accs = [self.request_acceptance(r, g) for r in ids]
         caps = ([max(0, int(c)) for c in depth_caps] if depth_caps is not None and len(depth_caps) == len(ids)
-                else [self.max_depth] * len(ids))
-        # chain[k] = sum_i E_chain_i(k); reach/miss per depth, summed over requests. A request
-        # cut at depth c gains nothing from positions past c (module docstring: "Near the end").
-        chain = [float(len(accs))]
-        miss = []
-        prefixes = [1.0] * len(accs)
-        for k in range(self.max_depth):
-            m = 0.0
-            gained = 0.0
-            for i, a in enumerate(accs):
-                if k >= caps[i]:
-                    continue
-                m += prefixes[i] * (1.0 - a[k])
-                prefixes[i] *= a[k]
-                gained += prefixes[i]
-            miss.append(m)
-            chain.append(chain[-1] + gained)
-        scale = B / len(accs)   # request_ids may be shorter than the batch (prefills)
+                else [K] * len(ids))
+        # chain[k] = sum_i E_chain_i(k); miss per depth (trees only), summed over requests. A
+        # request cut at depth c gains nothing from positions past c (module docstring: "Near
+        # the end"). Request by request, each a_ik computed as request_acceptance does: this
+        # runs every engine step, and per request and position it is most of the controller's
+        # time (the sums over requests are taken in the same order as one loop per position).
+        trees = self.max_num_nodes > K
+        gained = [0.0] * K
+        miss = [0.0] * K
+        s = self.request_shrinkage
+        requests = self._requests
+        for rid, cap in zip(ids, caps):
+            r = requests.get(rid)
+            prefix = 1.0
+            for k in range(min(cap, K)):
+                a = g[k] if r is None else (r.count[k] * r.ema[k] + s * g[k]) / (r.count[k] + s)
+                if trees:
+                    miss[k] += prefix * (1.0 - a)
+                prefix *= a
+                gained[k] += prefix
+        chain = [float(len(ids))]
+        for k in range(K):
+            chain.append(chain[-1] + gained[k])
+        scale = B / len(ids)   # request_ids may be shorter than the batch (prefills)
         ctx = context_tokens
         out: dict[Plan, tuple[float, float]] = {}
         if not self.costs.has_verify:
