@@ -68,6 +68,11 @@ class SpecConfig(_Section):
     # Off by default: on the dev CPU "auto" measured no faster than off (s16b,
     # benchmarks/RESULTS.md) and 9% slower at one request.
     early_stop: Literal["auto", "off"] | Annotated[float, Meta(ge=0.0, le=1.0)] = "off"
+    # The step that completes a prompt also verifies a draft after it, so a request's first
+    # step can emit more than one token (otherwise its prompt's step yields one). Off by
+    # default: on the dev CPU the rows and draft levels it adds to a prompt's step cost about
+    # what it saves (offline 0.96-1.02x; benchmarks/RESULTS.md, thirty-first session).
+    speculate_prompts: bool = False
 
 
 class CacheConfig(_Section):

@@ -133,7 +133,8 @@ class LLMEngine:
         if config.cuda_graphs:
             self._use_graphs(config, block_size)
         self.pool_bytes = num_blocks * bytes_per_block
-        self.scheduler = Scheduler(config.scheduler, self.pool, self.max_model_len, has_draft_kv=self.draft is not None)
+        self.scheduler = Scheduler(config.scheduler, self.pool, self.max_model_len, has_draft_kv=self.draft is not None,
+                                   speculate_prompts=config.spec.speculate_prompts)
 
         self.spec = make_speculator(config, self)
         self.spec.calibrate(config.scheduler.max_num_seqs)

@@ -3,7 +3,9 @@
 Requests join and leave between steps. Every step has a token budget
 (`max_num_batched_tokens`): running requests go first (oldest first), each taking its
 pending token plus, when speculating, the tree nodes after it; prompts are prefilled in
-chunks with what is left. When the pool runs out of blocks the scheduler first drops a
+chunks with what is left. With `speculate_prompts`, the chunk that completes a prompt also
+takes the tree nodes after the prompt's last token, so a request's first step can emit
+more than one token. When the pool runs out of blocks the scheduler first drops a
 request's speculation, then preempts the youngest running request by recompute (its blocks
 are freed; it re-enters the front of the queue and is prefilled again, prefix cache first).
 """
@@ -47,8 +49,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: KVPool, max_model_len: int, has_draft_kv: bool):
+    def __init__(self, config: SchedulerConfig, pool: KVPool, max_model_len: int, has_draft_kv: bool,
+                 speculate_prompts: bool = False):
         self.config = config
+        self.speculate_prompts = speculate_prompts
         self.pool = pool
         self.max_model_len = max_model_len
         self.has_draft_kv = has_draft_kv
@@ -91,7 +95,8 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             decoding = req.num_computed_tokens + num_new == req.num_tokens
-            spec = self._spec_nodes(req, num_spec_nodes, budget - num_new) if decoding and num_new == 1 else 0
+            spec = (self._spec_nodes(req, num_spec_nodes, budget - num_new)
+                    if decoding and (num_new == 1 or self.speculate_prompts) else 0)
             while not self._reserve(req, req.num_computed_tokens + num_new + spec):
                 if spec:
                     spec = 0  # speculation goes before anybody is preempted
@@ -123,7 +128,13 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill and num_new <= self.config.max_num_batched_tokens:
                     break
                 num_new = budget
-            if not self._reserve(req, req.num_computed_tokens + num_new):
+            # The chunk that completes the prompt may speculate after it (speculate_prompts).
+            completes = req.num_computed_tokens + num_new == req.num_tokens
+            spec = (self._spec_nodes(req, num_spec_nodes, budget - num_new)
+                    if completes and self.speculate_prompts else 0)
+            if spec and not self._reserve(req, req.num_computed_tokens + num_new + spec):
+                spec = 0   # the prompt before its speculation
+            if not spec and not self._reserve(req, req.num_computed_tokens + num_new):
                 self._free_blocks(req)  # give back the prefix-cache hits; try again next step
                 break
             self.waiting.popleft()
@@ -131,8 +142,8 @@ class Scheduler:
             if req.stats.first_scheduled_time is None:
                 req.stats.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            out.seqs.append(ScheduledSeq(req, num_new, 0))
-            budget -= num_new
+            out.seqs.append(ScheduledSeq(req, num_new, spec))
+            budget -= num_new + spec
         return out
 
     def postprocess(self, request: Request) -> None:

@@ -105,6 +105,19 @@ def _is_prefill(s: ScheduledSeq) -> bool:
     return s.num_new_tokens > 1 or not s.is_decode
 
 
+def _chunk_tree_mask(m: int, tree_mask: list[list[bool]]) -> list[list[bool]]:
+    """Visibility among m chunk rows followed by a tree's nodes: the chunk is causal, its last
+    row is the tree's root, and each node sees the chunk before the root and, from the root on,
+    what the tree's verify mask says (m == 1: that mask itself)."""
+    if m == 1:
+        return tree_mask
+    n = len(tree_mask) - 1
+    mask = [[j <= i for j in range(m + n)] for i in range(m + n)]
+    for i in range(n + 1):
+        mask[m - 1 + i][m - 1:] = tree_mask[i]
+    return mask
+
+
 class Speculator:
     def __init__(self, config: EngineConfig, engine, drafter, controller):
         self.config = config
@@ -478,7 +491,10 @@ class Speculator:
         block_size = engine.pool.block_size
         t0 = time.perf_counter()
         spec_seqs = [s for s in batch.seqs if s.num_spec_nodes > 0]
-        prefills = [s for s in batch.seqs if _is_prefill(s)]
+        # A chunk that completes its prompt and speculates after it (Scheduler's
+        # speculate_prompts) is drafted like a decoding sequence: the draft's catch-up takes
+        # the chunk and its last row starts the tree.
+        prefills = [s for s in batch.seqs if _is_prefill(s) and s.num_spec_nodes == 0]
         # The draft's first forward also catches it up on what it has not seen: normally the
         # pending token and the accepted run (at most depth + 1 tokens); after a spell at
         # depth 0, a whole backlog. Such a step's draft time says nothing about a draft step.
@@ -508,15 +524,18 @@ class Speculator:
                     plain.append(req)
                 continue
             n = tree.num_nodes
+            # The pending token, or a prompt's last chunk whose last token plays its part: the
+            # tree hangs after row m - 1, and node k's scratch slot is position start + m + k.
+            m = s.num_new_tokens
             verified.append((s, tree, len(inp.logit_rows)))
             inp.add(
-                [req.token_ids[start]] + tree.tokens,
-                [start] + [start + d for d in tree.depths],
-                slots_for(req.block_table, block_size, start, n + 1),
+                req.token_ids[start : start + m] + tree.tokens,
+                list(range(start, start + m)) + [start + m - 1 + d for d in tree.depths],
+                slots_for(req.block_table, block_size, start, m + n),
                 req.block_table,
-                start + n + 1,
-                logit_rows=list(range(n + 1)),
-                mask=None if tree.is_chain else tree.verify_mask(),
+                start + m + n,
+                logit_rows=list(range(m - 1, m + n)),
+                mask=None if tree.is_chain else _chunk_tree_mask(m, tree.verify_mask()),
             )
         logits = engine.target.forward(inp)
         new_tokens: dict[str, list[int]] = {}

@@ -113,10 +113,12 @@ def test_draft_is_far_from_target(pair, exact):
     print(f'TV(draft-continued, target) = {dist:.3f}')
 
 
-@pytest.mark.parametrize("tree", ["chain", "fixed"])
-def test_speculative_sampling_matches_target_distribution(pair, exact, tree):
+@pytest.mark.parametrize("tree,speculate_prompts", [("chain", False), ("fixed", False), ("chain", True), ("fixed", True)])
+def test_speculative_sampling_matches_target_distribution(pair, exact, tree, speculate_prompts):
+    """x1 x2 x3 sampled after the prompt; with speculate_prompts the prompt's own step drafts
+    x1 and x2 and verifies them (x1 is then a verified draft token, not a plain sample)."""
     target, draft = pair
-    counts, totals = sample_engine(target, draft, tree)
+    counts, totals = sample_engine(target, draft, tree, speculate_prompts=speculate_prompts)
     assert set(counts) <= set(exact), "a token outside the target's top-k/top-p support was emitted"
     d, b = tv(counts, N, exact), bound(len(exact), N)
     assert d < b, f"{tree}: TV {d:.4f} >= bound {b:.4f} (K={len(exact)}, N={N})"

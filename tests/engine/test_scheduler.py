@@ -10,10 +10,11 @@ from specserve.sampling import SamplingParams
 from specserve.scheduler import Scheduler
 
 
-def make(num_blocks=64, block_size=4, budget=2048, max_num_seqs=64, chunked=True, prefix=False):
+def make(num_blocks=64, block_size=4, budget=2048, max_num_seqs=64, chunked=True, prefix=False,
+         speculate_prompts=False):
     pool = KVPool(num_blocks, block_size, enable_prefix_caching=prefix)
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked)
-    return Scheduler(cfg, pool, max_model_len=512, has_draft_kv=False), pool
+    return Scheduler(cfg, pool, max_model_len=512, has_draft_kv=False, speculate_prompts=speculate_prompts), pool
 
 
 def req(rid, n_prompt, max_tokens=8, base=10):
@@ -215,3 +216,34 @@ def test_prefix_cache_hit_on_admission():
     assert b.stats.num_cached_tokens == 8 and out.seqs[0].num_new_tokens == 2
     advance(sched, out)
     pool.check_all_free()
+
+
+def test_the_chunk_that_completes_a_prompt_speculates_after_it():
+    """speculate_prompts: a prompt's last chunk takes the tree nodes after its last token (its
+    first step can emit more than one token); earlier chunks do not, and neither does a prompt
+    whose chunk fills the budget or whose scratch the pool cannot hold."""
+    sched, pool = make(budget=16, speculate_prompts=True)
+    long, short = req("long", 20, max_tokens=8), req("short", 6, max_tokens=8)
+    sched.add(long)
+    sched.add(short)
+    first = sched.schedule(num_spec_nodes=3)
+    # The long prompt's first chunk fills the budget: no room for the short one or for nodes.
+    assert [(s.request.request_id, s.num_new_tokens, s.num_spec_nodes) for s in first.seqs] == [("long", 16, 0)]
+    advance(sched, first)
+    second = sched.schedule(num_spec_nodes=3)
+    # The long prompt's last chunk (4 tokens) and the short prompt (6) each take 3 nodes: 16 tokens.
+    assert [(s.request.request_id, s.num_new_tokens, s.num_spec_nodes, s.is_decode) for s in second.seqs] == [
+        ("long", 4, 3, True), ("short", 6, 3, True)]
+    assert second.num_batched_tokens == 16
+    # Their nodes' slots are reserved: positions up to prompt + 3.
+    assert len(long.block_table) * 4 >= 20 + 3 and len(short.block_table) * 4 >= 6 + 3
+    # Without it, the same prompts take no nodes until they decode.
+    plain, _ = make(budget=16)
+    plain.add(req("a", 6))
+    assert plain.schedule(num_spec_nodes=3).seqs[0].num_spec_nodes == 0
+    # A pool with room for the prompt but not its nodes admits the prompt alone.
+    tight, tight_pool = make(num_blocks=2, budget=64, speculate_prompts=True)
+    tight.add(req("b", 8))
+    only = tight.schedule(num_spec_nodes=3)
+    assert [(s.num_new_tokens, s.num_spec_nodes) for s in only.seqs] == [(8, 0)]
+    assert tight_pool.num_free_blocks == 0

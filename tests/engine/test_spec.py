@@ -26,6 +26,7 @@ PROMPTS = [
     [200 + i for i in range(17)],
 ]
 MAX_TOKENS = 14
+
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 TREE_KW = dict(spec__num_nodes=6, spec__topk=3)
 
@@ -100,20 +101,31 @@ def run_and_compare(llm, reference, prompts=PROMPTS, params=GREEDY):
     return outs
 
 
+def passes_perfect(depth: int, speculate_prompts: bool) -> int:
+    """Target passes a request of MAX_TOKENS takes with a draft whose path is always the
+    target's: passes of depth + 1 tokens, none wasted; without speculate_prompts the prompt's
+    pass yields one token and the rest follow."""
+    if speculate_prompts:
+        return math.ceil(MAX_TOKENS / (depth + 1))
+    return 1 + math.ceil((MAX_TOKENS - 1) / (depth + 1))
+
+
+@pytest.mark.parametrize("speculate_prompts", [True, False])
 @pytest.mark.parametrize("depth", [1, 2, 3, 4, 5, 6, 7, 8])
-def test_chain_perfect_draft(models, reference, depth):
-    llm = make_llm(models, "perfect", depth=depth)
+def test_chain_perfect_draft(models, reference, depth, speculate_prompts):
+    llm = make_llm(models, "perfect", depth=depth, speculate_prompts=speculate_prompts)
     outs = run_and_compare(llm, reference)
     check_stats(llm, outs, perfect_chain=True)
     # Every verify pass accepts its whole chain, and no chain is longer than the request can
-    # still emit (the scheduler cuts the last one): after the prompt's pass, the MAX_TOKENS - 1
-    # other tokens take the fewest passes of at most depth + 1 tokens, none wasted.
+    # still emit (the scheduler cuts the last one): the fewest passes of at most depth + 1
+    # tokens, none wasted, the prompt's among them when it speculates.
+    emitted_by_drafts = MAX_TOKENS if speculate_prompts else MAX_TOKENS - 1
     for o in outs:
-        assert o.stats.num_target_passes == 1 + math.ceil((MAX_TOKENS - 1) / (depth + 1))
-        assert o.stats.num_draft_tokens + o.stats.num_drafts <= MAX_TOKENS - 1
+        assert o.stats.num_target_passes == passes_perfect(depth, speculate_prompts)
+        assert o.stats.num_draft_tokens + o.stats.num_drafts <= emitted_by_drafts
     totals = llm.engine.spec.totals
     assert totals.accepted_per_position[0] == totals.num_drafts
-    if (MAX_TOKENS - 1) % (depth + 1) in (0, 1):   # every chain full length (a last single token: plain)
+    if emitted_by_drafts % (depth + 1) in (0, 1):   # every chain full length (a last single token: plain)
         assert totals.mean_tokens_per_pass == depth + 1
         assert totals.accepted_per_position == [totals.num_drafts] * depth
 
@@ -141,18 +153,32 @@ def test_ngram_drafter(models, reference, depth):
     check_stats(llm, outs)
 
 
+@pytest.mark.parametrize("speculate_prompts", [True, False])
 @pytest.mark.parametrize("draft", ["ngram", "perfect"])
-def test_no_draft_deeper_than_the_request_can_emit(models, draft):
-    # Depth 8 but only 4 tokens per request: after the prompt's token, at most 3 more, so no
-    # chain may be longer than (tokens left - 1): every proposed token can be emitted.
+def test_no_draft_deeper_than_the_request_can_emit(models, draft, speculate_prompts):
+    # Depth 8 but only 4 tokens per request: no chain may be longer than the tokens left less
+    # one (its pass also emits the bonus token), the prompt's chain included: every proposed
+    # token can be emitted.
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     ref = [o.token_ids for o in make_llm(models, "none").generate(PROMPTS, params)]
-    llm = make_llm(models, draft, depth=8)
+    llm = make_llm(models, draft, depth=8, speculate_prompts=speculate_prompts)
+    drafter = llm.engine.spec.drafter
+    real = drafter.propose
+    longest = []
+
+    def propose(seqs, shape, prefills):
+        trees = real(seqs, shape, prefills)
+        for s, t in zip(seqs, trees):
+            assert t.num_nodes <= s.request.num_tokens_left - 1
+            longest.append(t.num_nodes)
+        return trees
+
+    drafter.propose = propose
     outs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == ref
     assert sum(o.stats.num_drafts for o in outs) > 0
-    for o in outs:
-        assert o.stats.num_draft_tokens + o.stats.num_drafts <= 3
+    if draft == "perfect":   # a prompt's step drafts the three tokens after its first, or the next step
+        assert max(longest) == (3 if speculate_prompts else 2)
     llm.engine.pool.check_all_free()
 
 
@@ -169,7 +195,7 @@ def test_fixed_tree(models, reference, draft, branching):
         # The draft's top-1 path is in the tree and is the target's argmax path: every pass
         # emits a full path, the last one cut to what the request still needs.
         for o in outs:
-            assert o.stats.num_target_passes == 1 + math.ceil((MAX_TOKENS - 1) / (len(branching) + 1))
+            assert o.stats.num_target_passes == passes_perfect(len(branching), False)
         assert n > 0
 
 
@@ -194,11 +220,14 @@ def test_mixed_batch_greedy_and_sampled(models, reference):
     llm.engine.pool.check_all_free()
 
 
-@pytest.mark.parametrize("tree", ["chain", "fixed", "dynamic"])
-def test_preemption_and_prefix_cache(models, reference, tree):
-    # 3 prompts of 17, 24 and 31 tokens (19 blocks of 4) plus speculation scratch, in 10 blocks.
+@pytest.mark.parametrize("tree,speculate_prompts", [
+    ("chain", True), ("chain", False), ("fixed", False), ("dynamic", True), ("dynamic", False)])
+def test_preemption_and_prefix_cache(models, reference, tree, speculate_prompts):
+    # 3 requests of 17, 24 and 31 tokens in all (19 blocks of 4) plus speculation scratch, in 9
+    # blocks. (A fixed tree with a perfect draft speculating on its prompts is done in four
+    # passes a request: too few to run out of blocks and keep the cache, whatever the pool.)
     llm = make_llm(models, "weak" if tree == "chain" else "perfect", tree=tree, depth=3,
-                   num_blocks=10, enable_prefix_caching=True)
+                   num_blocks=9, enable_prefix_caching=True, speculate_prompts=speculate_prompts)
     run_and_compare(llm, reference)
     assert llm.engine.scheduler.num_preemptions > 0
     # Again: the prompts' blocks are in the prefix cache now (both models' KV).
@@ -561,3 +590,43 @@ def test_early_stop_ends_a_chain_at_its_first_doubtful_node(models, reference):
     seen = _spy_trees(llm)
     run_and_compare(llm, reference)
     assert all(s == 0.0 and t.num_nodes == t.room for s, t in seen)
+
+
+@pytest.mark.parametrize("tree", ["chain", "fixed", "dynamic"])
+def test_a_prompt_speculates_in_the_step_that_completes_it(models, reference, tree):
+    """speculate_prompts: the step that completes a prompt also verifies a draft
+    after it, beside other sequences' rows; with a budget of 12 tokens a step, the longer
+    prompts come in chunks and only their last chunk carries a tree. The output is the
+    target's, and with a perfect draft a request's first step emits more than one token."""
+    kw = {"branching": [2, 2, 1]} if tree == "fixed" else {}
+    llm = make_llm(models, "perfect", tree=tree, depth=3, max_num_batched_tokens=12, speculate_prompts=True, **kw)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    first, last = {}, {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            first.setdefault(o.request_id, len(o.token_ids))
+            last[o.request_id] = o.token_ids
+    assert [last[f"r{i}"] for i in range(len(PROMPTS))] == reference
+    assert max(first.values()) > 1
+    engine.pool.check_all_free()
+
+
+def test_a_chunk_and_its_tree_see_what_they_should():
+    from specserve.spec import _chunk_tree_mask
+    from specserve.tree import DraftTree
+
+    tree = DraftTree(tokens=[1, 2, 3], parents=[-1, -1, 0], is_sampled=[False] * 3)
+    assert _chunk_tree_mask(1, tree.verify_mask()) == tree.verify_mask()
+    T, F = True, False
+    # Three chunk rows (causal; the last is the root), then nodes 0 and 1 (children of the
+    # root) and node 2 (under node 0).
+    assert _chunk_tree_mask(3, tree.verify_mask()) == [
+        [T, F, F, F, F, F],
+        [T, T, F, F, F, F],
+        [T, T, T, F, F, F],
+        [T, T, T, T, F, F],
+        [T, T, T, F, T, F],
+        [T, T, T, T, F, T],
+    ]
