@@ -4,7 +4,8 @@
 
 One engine (one copy of each model, which matters for an 8B-shaped target) is switched
 between settings with `set_speculation`, so every setting runs on the same process and pool;
-"static0" is plain decoding (the draft idles). Greedy, ignore_eos, held-out prompts. For each
+"static0" is plain decoding (the draft idles); a setting with "+prompts" appended (e.g.
+"static3+prompts") runs with [spec] speculate_prompts on. Greedy, ignore_eos, held-out prompts. For each
 batch size and setting: decode tokens/s by wall clock (the device is synchronised by the
 engine's own host reads every step), tokens per target pass, and whether the tokens equal
 static0's token for token. Interleaved rounds; the median round is reported. Prints a
@@ -25,10 +26,13 @@ from specserve import LLM, SamplingParams
 
 
 def run(llm: LLM, setting: str, prompts, batch: int, max_tokens: int) -> dict:
-    if setting == "adaptive":
+    # "SETTING+prompts": the same with [spec] speculate_prompts (a prompt's step drafts too).
+    base, _, extra = setting.partition("+")
+    llm.engine.scheduler.speculate_prompts = extra == "prompts"
+    if base == "adaptive":
         llm.engine.set_speculation("adaptive")
     else:
-        llm.engine.set_speculation("static", int(setting.removeprefix("static")))
+        llm.engine.set_speculation("static", int(base.removeprefix("static")))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outs = []
     if torch.cuda.is_available():

@@ -4,6 +4,8 @@
 # sub-packages as the editable install would, build the grown pair (benchmarks/grow_pair.py)
 # into build/grown unless it is there, then run the stages named as arguments.
 #   bash scripts/device_run.sh smoke grow kernels bench pair exact profile graphs sweep engine
+# pair: PAIR_SETTINGS="static0 static3 static3+prompts adaptive adaptive+prompts" times
+# [spec] speculate_prompts beside the same settings without it (PAIR_BATCH, PAIR_ROUNDS too).
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/device_out}
 mkdir -p "$OUT"
@@ -27,7 +29,7 @@ for stage in "$@"; do
     kernels) timeout 240 python -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -25 | tee $OUT/kernels.log;;
     bench) timeout 150 python benchmarks/bench_kernels.py --dtype bfloat16 2>&1 | tee $OUT/bench_kernels.log;;
     pair) grow >/dev/null 2>&1; timeout ${PAIR_TIMEOUT:-240} python -m benchmarks.pair_speed --target $G/target --draft $G/draft \
-            --batch ${PAIR_BATCH:-1 16 64} --rounds ${PAIR_ROUNDS:-1} --out $OUT/pair_speed.json 2>&1 | grep -v Warning | tee $OUT/pair_speed.log;;
+            --batch ${PAIR_BATCH:-1 16 64} --rounds ${PAIR_ROUNDS:-1} ${PAIR_SETTINGS:+--settings $PAIR_SETTINGS} --out $OUT/pair_speed.json 2>&1 | grep -v Warning | tee $OUT/pair_speed.log;;
     exact) for dt in float32 bfloat16; do
              timeout 150 python -m benchmarks.pair_speed --target specserve/assets/tiny-target --draft specserve/assets/tiny-draft \
                --dtype $dt --batch 1 16 --rounds 1 --settings static0 static1 static3 adaptive 2>&1 | grep -v Warning | tail -9 | tee -a $OUT/exact.log

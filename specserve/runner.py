@@ -28,7 +28,7 @@ class ForwardInput:
     seq_lens: list[int] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)  # rows whose logits are returned, in order
     # Per sequence: its [q_len, q_len] visibility among its own rows, or None = causal.
-    masks: list[list[list[bool]] | None] = field(default_factory=list)
+    masks: list[list[list[bool]] | torch.Tensor | None] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -42,7 +42,7 @@ class ForwardInput:
         block_table: list[int],
         seq_len: int,
         logit_rows: list[int] = (),
-        mask: list[list[bool]] | None = None,
+        mask: list[list[bool]] | torch.Tensor | None = None,
     ) -> int:
         """Add one sequence's rows; `logit_rows` are local row indices. Returns its first row."""
         first = len(self.input_ids)
@@ -134,7 +134,7 @@ class ModelRunner:
                 if m is None:
                     custom_mask[cu[i] : cu[i + 1], :q] = torch.ones(q, q, dtype=torch.bool).tril()
                 else:
-                    custom_mask[cu[i] : cu[i + 1], :q] = torch.tensor(m, dtype=torch.bool)
+                    custom_mask[cu[i] : cu[i + 1], :q] = m if isinstance(m, torch.Tensor) else torch.tensor(m, dtype=torch.bool)
             custom_mask = custom_mask.to(self.device)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,

@@ -95,8 +95,8 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             decoding = req.num_computed_tokens + num_new == req.num_tokens
-            spec = (self._spec_nodes(req, num_spec_nodes, budget - num_new)
-                    if decoding and (num_new == 1 or self.speculate_prompts) else 0)
+            spec = (self._spec_nodes(req, num_spec_nodes, budget - num_new) if decoding and num_new == 1
+                    else self._prompt_nodes(req, num_spec_nodes, budget - num_new) if decoding else 0)
             while not self._reserve(req, req.num_computed_tokens + num_new + spec):
                 if spec:
                     spec = 0  # speculation goes before anybody is preempted
@@ -130,8 +130,7 @@ class Scheduler:
                 num_new = budget
             # The chunk that completes the prompt may speculate after it (speculate_prompts).
             completes = req.num_computed_tokens + num_new == req.num_tokens
-            spec = (self._spec_nodes(req, num_spec_nodes, budget - num_new)
-                    if completes and self.speculate_prompts else 0)
+            spec = self._prompt_nodes(req, num_spec_nodes, budget - num_new) if completes else 0
             if spec and not self._reserve(req, req.num_computed_tokens + num_new + spec):
                 spec = 0   # the prompt before its speculation
             if not spec and not self._reserve(req, req.num_computed_tokens + num_new):
@@ -169,6 +168,16 @@ class Scheduler:
         """Cap the tree so its positions stay inside the context and the step's budget."""
         room = self.max_model_len - req.num_tokens  # node at depth d sits at position num_tokens - 1 + d
         return max(0, min(wanted, room, budget_left))
+
+    def _prompt_nodes(self, req: Request, wanted: int, budget_left: int) -> int:
+        """Nodes after a chunk that completes its prompt (speculate_prompts): as many as a
+        decoding step's, but never more than the request can still emit after the token the
+        chunk yields. With none (max_tokens 1), the chunk is a plain prefill, which the draft
+        computes alongside: a chunk given nodes the draft then has no use for would leave the
+        draft's KV behind, and its blocks out of the prefix cache."""
+        if not self.speculate_prompts:
+            return 0
+        return self._spec_nodes(req, min(wanted, req.num_tokens_left - 1), budget_left)
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
         missing = blocks_needed(num_tokens, self.pool.block_size) - len(req.block_table)

@@ -105,16 +105,16 @@ def _is_prefill(s: ScheduledSeq) -> bool:
     return s.num_new_tokens > 1 or not s.is_decode
 
 
-def _chunk_tree_mask(m: int, tree_mask: list[list[bool]]) -> list[list[bool]]:
+def _chunk_tree_mask(m: int, tree_mask: list[list[bool]]) -> list[list[bool]] | torch.Tensor:
     """Visibility among m chunk rows followed by a tree's nodes: the chunk is causal, its last
     row is the tree's root, and each node sees the chunk before the root and, from the root on,
-    what the tree's verify mask says (m == 1: that mask itself)."""
+    what the tree's verify mask says (m == 1: that mask itself). A tensor (a prompt's chunk can
+    be thousands of rows: as nested lists the mask would cost more than the pass)."""
     if m == 1:
         return tree_mask
     n = len(tree_mask) - 1
-    mask = [[j <= i for j in range(m + n)] for i in range(m + n)]
-    for i in range(n + 1):
-        mask[m - 1 + i][m - 1:] = tree_mask[i]
+    mask = torch.ones(m + n, m + n, dtype=torch.bool).tril_()
+    mask[m - 1:, m - 1:] = torch.tensor(tree_mask, dtype=torch.bool)
     return mask
 
 
@@ -419,6 +419,9 @@ class Speculator:
 
         decoding = [s for s in batch.seqs if not _is_prefill(s)]
         has_prefill = len(decoding) != len(batch.seqs)
+        # The sequences that verified a tree or sampled a token: the decoding ones and, with
+        # speculate_prompts, prompts whose last chunk carried a tree.
+        verifying = len(decoding) + sum(1 for s in batch.seqs if _is_prefill(s) and s.num_spec_nodes > 0)
         # Trees smaller than the plan (cut near max_tokens or the context's end, or by the
         # step's token budget) mean fewer verify rows and, when every tree was cut, fewer draft
         # levels than the plan's: the costs are booked under what ran, and each request's
@@ -427,11 +430,12 @@ class Speculator:
         # A chain that stopped early on the draft's doubt (early_stop) still counts the depths
         # it was allowed: the positions it did not propose count as not accepted, so acceptance
         # is what this policy gets from each depth, and the plan's tokens are not overrated.
-        cut = plan.num_nodes > 0 and (len(trees) < len(decoding) or any(
+        cut = plan.num_nodes > 0 and (len(trees) < verifying or any(
             t.num_nodes < plan.num_nodes for t in trees))
         seq_depths = [t.max_depth if t.room is None else min(t.room, plan.depth) for t in trees] if cut else None
         self._step_stats = StepStats(
-            batch_size=len(decoding),
+            # A step of prompts alone still teaches acceptance (its timings are not read).
+            batch_size=len(decoding) or len(request_ids),
             depth=plan.depth,
             num_nodes=plan.num_nodes,
             draft_s=0.0 if has_prefill or not draft_is_typical else draft_s,

@@ -35,6 +35,8 @@ one object:
                     sequences (below nodes x decode where trees were cut near a request's
                     max_tokens or the context's end, or chains stopped early): decode + drafted
                     is the verify pass's decoding rows, what the controller books its cost at
+                    (on a step that also prefills, with [spec] speculate_prompts, drafted also
+                    counts the trees after prompts, which decode leaves out)
     stop            with early stop ([spec] early_stop): the path probability below which
                     the step's chains stopped growing
 

@@ -247,3 +247,9 @@ def test_the_chunk_that_completes_a_prompt_speculates_after_it():
     only = tight.schedule(num_spec_nodes=3)
     assert [(s.num_new_tokens, s.num_spec_nodes) for s in only.seqs] == [(8, 0)]
     assert tight_pool.num_free_blocks == 0
+    # Never more nodes than the request can emit after the chunk's token: none at max_tokens 1
+    # (a plain prefill, which the draft computes too, so its blocks reach the prefix cache).
+    few, _ = make(speculate_prompts=True)
+    few.add(req("one", 6, max_tokens=1))
+    few.add(req("two", 6, max_tokens=2))
+    assert [s.num_spec_nodes for s in few.schedule(num_spec_nodes=3).seqs] == [0, 1]

@@ -622,7 +622,7 @@ def test_a_chunk_and_its_tree_see_what_they_should():
     T, F = True, False
     # Three chunk rows (causal; the last is the root), then nodes 0 and 1 (children of the
     # root) and node 2 (under node 0).
-    assert _chunk_tree_mask(3, tree.verify_mask()) == [
+    assert _chunk_tree_mask(3, tree.verify_mask()).tolist() == [
         [T, F, F, F, F, F],
         [T, T, F, F, F, F],
         [T, T, T, F, F, F],
@@ -630,3 +630,17 @@ def test_a_chunk_and_its_tree_see_what_they_should():
         [T, T, T, F, T, F],
         [T, T, T, T, F, T],
     ]
+
+
+def test_a_prompt_with_one_token_to_go_reaches_the_prefix_cache(models):
+    """speculate_prompts with max_tokens 1: the prompt's chunk gets no tree (nothing could be
+    emitted after its token), so it is prefilled for the draft too, and a finished request's
+    full blocks go to the prefix cache (the cache keeps blocks both models computed)."""
+    llm = make_llm(models, "weak", depth=3, speculate_prompts=True, enable_prefix_caching=True)
+    prompt = [300 + i for i in range(13)]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    first = llm.generate([prompt], one)[0]
+    again = llm.generate([prompt], one)[0]
+    assert again.token_ids == first.token_ids
+    assert again.stats.num_cached_tokens == 12   # three full blocks of 4
+    llm.engine.pool.check_all_free()
