@@ -295,20 +295,33 @@ class Speculator:
                         ctx + rows_per_seq, logit_rows=[rows_per_seq - 1] if last_only else list(range(rows_per_seq)))
             return inp
 
-        def draft_levels(batch_size: int, depth: int) -> float:
-            """A step's draft levels as the engine runs them: after a target pass (which evicts
-            the draft's weights from the caches), a first level of two rows per sequence (the
-            catch-up) and depth - 1 levels of one, each read back (the tree grows on the host)."""
+        def draft_levels(batch_size: int, depths: Sequence[int], rounds: int = 3) -> dict[int, float]:
+            """A step's draft levels as the engine runs them, for each of `depths`: after a
+            target pass (which evicts the draft's weights from the caches), a first level of two
+            rows per sequence (the catch-up) and depth - 1 levels of one, each read back (the
+            tree grows on the host). Timed in interleaved rounds (the order reversed every other
+            round, a warm-up first), each depth read as its fastest, as run_grid times the verify
+            passes: timed depth after depth, best of two, a depth that caught a slow spell stood
+            out for good (three start-ups offline, 4 sequences: depth 3's step over depth 5's
+            read 0.74-0.81, and one depth in a row 30% above its neighbours), which is the size
+            of the margins between depths at 4-8 requests."""
             # the catch-up wants the last row's logits only, as drafts/model.py asks
             verify, first, later = batch(batch_size, 1), batch(batch_size, 2, last_only=True), batch(batch_size, 1)
-            best = float("inf")
-            for _ in range(2):  # the first run warms up; keep the faster
+
+            def once(depth: int) -> float:
                 engine.target.forward(verify)[-1, 0].item()
                 start = time.perf_counter()
                 engine.draft.forward(first).argmax(dim=-1).tolist()
                 for _ in range(depth - 1):
                     engine.draft.forward(later).argmax(dim=-1).tolist()
-                best = min(best, time.perf_counter() - start)
+                return time.perf_counter() - start
+
+            order = sorted(set(depths))
+            once(order[-1])   # warm-up
+            best = dict.fromkeys(order, float("inf"))
+            for i in range(rounds):
+                for d in (order if i % 2 == 0 else order[::-1]):
+                    best[d] = min(best[d], once(d))
             return best
 
         measured: dict[tuple, float] = {}   # the context slopes reuse the short passes
@@ -365,7 +378,7 @@ class Speculator:
         fine_nodes = sorted(set(nodes) | set(range(min(self.controller.max_depth, max_nodes) + 1)))
         max_depth = self.controller.max_depth
         measure_draft = (lambda b: run(engine.draft, b, 1)) if self.drafter.has_kv else (lambda b: 1e-5)
-        measure_total = draft_levels if self.drafter.has_kv else None
+        measure_total = self.drafter.has_kv
 
         def context_curves(b: int, verify: dict[tuple[int, int], float]
                            ) -> tuple[dict[int, dict[int, float]], dict[int, float]]:
@@ -395,11 +408,13 @@ class Speculator:
             fine = b <= fine_batch
             verify_nodes = [n for n in fine_nodes if b * (n + 1) <= budget]
             grid = run_grid(engine.target, b, [n + 1 for n in verify_nodes], [context] + longer)
+            depths = sorted({min(d, max_depth) for d in (range(1, max_depth + 1) if fine else (1, 3, max_depth)) if d > 0})
+            levels = draft_levels(b, depths) if measure_total and depths and 2 * b <= budget else None
             self.controller.calibrate(
                 lambda b, num_tokens: run(engine.target, b, num_tokens // b), measure_draft,
                 batch_sizes=[b], nodes_per_seq=verify_nodes,
-                measure_draft_total=measure_total if 2 * b <= budget else None,
-                draft_depths=range(1, max_depth + 1) if fine else (1, 3, max_depth),
+                measure_draft_total=(lambda b, d, levels=levels: levels[d]) if levels else None,
+                draft_depths=depths,
                 measure_context_curves=(lambda b, grid=grid: context_curves(b, grid)) if longer else None,
                 reference_context=context,
             )
