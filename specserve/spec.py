@@ -378,7 +378,6 @@ class Speculator:
         fine_nodes = sorted(set(nodes) | set(range(min(self.controller.max_depth, max_nodes) + 1)))
         max_depth = self.controller.max_depth
         measure_draft = (lambda b: run(engine.draft, b, 1)) if self.drafter.has_kv else (lambda b: 1e-5)
-        measure_total = self.drafter.has_kv
 
         def context_curves(b: int, verify: dict[tuple[int, int], float]
                            ) -> tuple[dict[int, dict[int, float]], dict[int, float]]:
@@ -409,7 +408,7 @@ class Speculator:
             verify_nodes = [n for n in fine_nodes if b * (n + 1) <= budget]
             grid = run_grid(engine.target, b, [n + 1 for n in verify_nodes], [context] + longer)
             depths = sorted({min(d, max_depth) for d in (range(1, max_depth + 1) if fine else (1, 3, max_depth)) if d > 0})
-            levels = draft_levels(b, depths) if measure_total and depths and 2 * b <= budget else None
+            levels = draft_levels(b, depths) if self.drafter.has_kv and depths and 2 * b <= budget else None
             self.controller.calibrate(
                 lambda b, num_tokens: run(engine.target, b, num_tokens // b), measure_draft,
                 batch_sizes=[b], nodes_per_seq=verify_nodes,
@@ -434,9 +433,6 @@ class Speculator:
 
         decoding = [s for s in batch.seqs if not _is_prefill(s)]
         has_prefill = len(decoding) != len(batch.seqs)
-        # The sequences that verified a tree or sampled a token: the decoding ones and, with
-        # speculate_prompts, prompts whose last chunk carried a tree.
-        verifying = len(decoding) + sum(1 for s in batch.seqs if _is_prefill(s) and s.num_spec_nodes > 0)
         # Trees smaller than the plan (cut near max_tokens or the context's end, or by the
         # step's token budget) mean fewer verify rows and, when every tree was cut, fewer draft
         # levels than the plan's: the costs are booked under what ran, and each request's
@@ -445,8 +441,11 @@ class Speculator:
         # A chain that stopped early on the draft's doubt (early_stop) still counts the depths
         # it was allowed: the positions it did not propose count as not accepted, so acceptance
         # is what this policy gets from each depth, and the plan's tokens are not overrated.
-        cut = plan.num_nodes > 0 and (len(trees) < verifying or any(
-            t.num_nodes < plan.num_nodes for t in trees))
+        # (Against the sequences that verified: the decoding ones and, with speculate_prompts,
+        # prompts whose last chunk was given nodes.)
+        cut = plan.num_nodes > 0 and (
+            len(trees) < len(decoding) + sum(1 for s in batch.seqs if _is_prefill(s) and s.num_spec_nodes > 0)
+            or any(t.num_nodes < plan.num_nodes for t in trees))
         seq_depths = [t.max_depth if t.room is None else min(t.room, plan.depth) for t in trees] if cut else None
         self._step_stats = StepStats(
             # A step of prompts alone still teaches acceptance (its timings are not read).
