@@ -281,6 +281,14 @@ more than ``switch_margin`` (relative), or some other plan has been best for
 evaluated afresh when the batch changes and every ``replan_interval`` steps in between (an
 evaluation is ~0.1 ms of Python, 1-2% of a one-request step on the CPU); the steps between
 keep the plan, and the guard, probes and explorations still run every step.
+
+The plan held is per batch bucket (``plan_per_bucket``): when the batch moves into another
+bucket the plan goes on from the one last held there (none yet: the best, at once), and the
+challenger's streak starts over. Hysteresis is against noise within one load; a new load is
+not noise. With one plan for every bucket, a burst of requests after a lull kept the lull's
+plan until a challenger had been best for ``switch_patience`` evaluations: in the sweep s31e
+the first 10-12 steps of a cell at 8-32 requests ran depth 6-8 where the bucket's plan was 3-5
+(~15% of such a cell's time).
 """
 
 from __future__ import annotations
@@ -1013,6 +1021,7 @@ class AdaptiveController:
         bias_deadband: float = 0.02,
         bias_limits: tuple[float, float] = (0.6, 1.5),
         stop_scale: float = 1.0,
+        plan_per_bucket: bool = True,
     ):
         if mode not in ("adaptive", "static"):
             raise ValueError(f"controller mode must be 'adaptive' or 'static', got {mode!r}")
@@ -1056,6 +1065,9 @@ class AdaptiveController:
         self.request_stale_decay = request_stale_decay
         self.switch_margin = switch_margin
         self.switch_patience = switch_patience
+        self.plan_per_bucket = plan_per_bucket
+        self._held: dict[int, Plan] = {}   # batch bucket -> the plan last held there (see "Hysteresis")
+        self._held_bucket: int | None = None
         self.replan_interval = max(1, replan_interval)
         self.probe_interval = probe_interval
         self.explore_interval = explore_interval
@@ -1434,12 +1446,16 @@ class AdaptiveController:
             scores = self.evaluate(batch_size, request_ids, context_tokens, depth_caps)
             self._scores, self._scores_key, self._since_evaluated = scores, batch_key, 0
             self._factors = self.bias_factors(batch_size)
+            if self.plan_per_bucket:
+                self._enter_bucket(_bucket(batch_size))
             cur = self._decide(self._corrected(scores, self._factors))
         else:
             scores = self._scores
             cur = self.current
         cur = self._guard(batch_size, cur, scores)
         self.current = cur
+        if self.plan_per_bucket:
+            self._held[_bucket(batch_size)] = cur
 
         chosen = cur
         probe_pos = cur.depth  # 0-based index of the first position this plan leaves unverified
@@ -1602,6 +1618,17 @@ class AdaptiveController:
         if all(f == 1.0 for f in factors):
             return scores
         return {p: (g * factors[p.depth], e) for p, (g, e) in scores.items()}
+
+    def _enter_bucket(self, bucket: int) -> None:
+        """The batch is in `bucket` now: if it was in another, the plan held is the one last
+        held in this one (none: the best of the coming decision, at once), and a challenger's
+        streak from the other bucket does not carry over (see "Hysteresis")."""
+        if bucket == self._held_bucket:
+            return
+        first, self._held_bucket = self._held_bucket is None, bucket
+        if not first:   # (a controller's first plan goes on from the one it was built with)
+            self._challenger_streak = 0
+            self.current = self._held.get(bucket)
 
     def _decide(self, scores: dict[Plan, tuple[float, float]]) -> Plan:
         """The plan to run from a fresh evaluation: the centre of the band, with hysteresis."""

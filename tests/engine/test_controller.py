@@ -430,6 +430,36 @@ def test_hysteresis_keeps_plan_under_noise():
     assert changes <= 8, [p.depth for p in plans]
 
 
+def test_a_new_load_takes_its_own_plan_at_once():
+    # One request prefers depth 6; 32 prefer depth 3, with depth 6 there within the switch
+    # margin (985 against 1000). Hysteresis is against noise within one load: a burst after a
+    # lull must not keep the lull's plan for switch_patience evaluations, and back at a load
+    # seen before, the plan goes on from the one held there.
+    def scores(batch_size, *a, **k):
+        top = {1: {6: 1000.0}, 32: {3: 1000.0, 6: 985.0}}[batch_size]
+        return {Plan(d, d): (top.get(d, 500.0), max(d, 1)) for d in range(9)}
+
+    def run(ctrl, batch_size, steps):
+        ids = [f"r{i}" for i in range(batch_size)]
+        return [ctrl.plan(batch_size, ids).depth for _ in range(steps)]
+
+    kw = dict(probe_interval=0, explore_interval=0, guard_interval=0)
+    ctrl = calibrated(flat_verify, cheap_draft, **kw)
+    ctrl.evaluate = scores
+    assert run(ctrl, 1, 8)[-1] == 6
+    assert run(ctrl, 32, 8) == [3] * 8
+    assert run(ctrl, 1, 4) == [6] * 4
+    assert run(ctrl, 32, 4) == [3] * 4
+    # Within one bucket the hysteresis still holds: depth 4 predicted 1% above the plan.
+    ctrl.evaluate = lambda b, *a, **k: {**scores(b), **({Plan(4, 4): (1010.0, 4)} if b == 32 else {})}
+    assert run(ctrl, 32, 4 * (ctrl.switch_patience - 1)) == [3] * (4 * (ctrl.switch_patience - 1))
+    # One plan for every bucket (the switch off): the burst keeps depth 6 for a while.
+    old = calibrated(flat_verify, cheap_draft, plan_per_bucket=False, **kw)
+    old.evaluate = scores
+    run(old, 1, 8)
+    assert run(old, 32, 8)[:4] == [6] * 4
+
+
 def test_static_mode_is_fixed():
     rng = random.Random(6)
     ctrl = calibrated(compute_bound_verify, cheap_draft, mode="static", static_depth=3)
