@@ -650,10 +650,15 @@ class _Row:
 class CostModel:
     """Measured step costs: t_draft(B) per draft step and t_verify(B, num_tokens) per pass."""
 
-    def __init__(self, alpha: float = 0.03, level_alpha: float = 0.1, cross_alpha: float = _CROSS_ALPHA):
+    def __init__(self, alpha: float = 0.03, level_alpha: float = 0.1, cross_alpha: float = _CROSS_ALPHA,
+                 verify_by_rows: bool = True, context_rows_monotone: bool = False):
         self.alpha = alpha
         self.level_alpha = level_alpha
         self.cross_alpha = cross_alpha   # how far one comparison moves a point's reference
+        # A verify pass at a batch size between two measured buckets: read at its rows per
+        # sequence in both and interpolated in the batch size (see _verify_at), not as a token
+        # count on its own bucket's row.
+        self.verify_by_rows = verify_by_rows
         self._draft: dict[int, _EmaPoint] = {}                    # batch bucket -> (B, t) of one draft level
         self._draft_rows: dict[int, _Row] = {}                    # batch bucket -> total draft time by depth
         self._overhead: dict[int, _EmaPoint] = {}                 # batch bucket -> (B, t)
@@ -665,9 +670,18 @@ class CostModel:
         # context: on the dev CPU at 64 sequences, 168 more tokens each added 16 ms to a
         # one-row pass and 26-38 ms to passes of 3-9 rows), and as a curve over the context,
         # not a slope: see set_context_curves.
-        self._ctx_verify: dict[int, _ContextCurves] = {}
+        # Per rows as measured (monotone in the context only), and the same pooled to never
+        # read cheaper for more rows (`context_rows_monotone`, before the thirty-second session):
+        # see set_context_curves.
+        self._ctx_verify_measured: dict[int, _ContextCurves] = {}
+        self._ctx_verify_pooled: dict[int, _ContextCurves] = {}
+        self.context_rows_monotone = context_rows_monotone
         self._ctx_draft: dict[int, _ContextCurves] = {}
         self.reference_context = 0
+
+    @property
+    def _ctx_verify(self) -> dict[int, _ContextCurves]:
+        return self._ctx_verify_pooled if self.context_rows_monotone else self._ctx_verify_measured
 
     def set_context_slopes(self, batch_size: int, verify_s_per_token: float | dict[int, float],
                            draft_s_per_token: float, reference_context: int) -> None:
@@ -679,7 +693,8 @@ class CostModel:
         points = [_EmaPoint(rows, max(0.0, float(s))) for rows, s in sorted(slopes.items())]
         _pool_adjacent_violators(points)
         ref = int(reference_context)
-        self._ctx_verify[b] = _ContextCurves([ref, ref + 1], {p.x: [0.0, p.t] for p in points})
+        self._ctx_verify_measured[b] = self._ctx_verify_pooled[b] = _ContextCurves(
+            [ref, ref + 1], {p.x: [0.0, p.t] for p in points})
         self._ctx_draft[b] = _ContextCurves([ref, ref + 1], {1: [0.0, max(0.0, float(draft_s_per_token))]})
         self.reference_context = ref
 
@@ -690,7 +705,13 @@ class CostModel:
         sequence took over the same pass at `reference_context` (at this batch size), every rows
         at the same contexts; ``draft_s[context]`` the same of one draft level. Read as
         piecewise-linear in the context (on the end segments beyond the contexts measured),
-        made non-decreasing in the context and in the rows. One slope from the reference to a
+        made non-decreasing in the context. Across rows the figures stand as measured: what the
+        context adds is not monotone in the rows (on the dev CPU at 8 and 16 sequences and 256
+        tokens, per sequence 0.42, 0.37, 0.37, 0.48 ms at 2, 3, 4, 5 rows, timed in the
+        thirty-second session; the attention's tiles), and pooled to never read cheaper for more
+        rows (``context_rows_monotone``, as until then) 3 and 4 rows took 2's figure: depth 3
+        priced 3% over its pass at 140 tokens, the depth static runs found best at 8-32
+        requests. One slope from the reference to a
         long context does not do: the cost is not linear in the context (on the dev CPU at 16
         sequences, a pass at 136 tokens read off the line through 32 and 256 tokens came out
         3% over at 3-4 rows and 5-6% under at 6-9: deep plans priced cheap beside shallow
@@ -698,7 +719,7 @@ class CostModel:
         b = _bucket(batch_size)
         ref = int(reference_context)
 
-        def curves(table: dict[int, dict[int, float]]) -> _ContextCurves:
+        def curves(table: dict[int, dict[int, float]], pool_rows: bool = False) -> _ContextCurves:
             contexts = sorted({int(c) for per in table.values() for c in per if c > ref})
             if not contexts or any(set(per) != set(contexts) for per in table.values()):
                 raise ValueError("every rows needs a figure at the same contexts, each past the reference "
@@ -709,17 +730,19 @@ class CostModel:
                 for c in contexts:   # never cheaper at a longer context
                     seq.append(max(seq[-1], float(per[c]) / b))
                 excess[rows] = seq
-            for j in range(1, len(contexts) + 1):   # nor with more rows at one context
-                points = [_EmaPoint(r, excess[r][j]) for r in sorted(excess)]
-                _pool_adjacent_violators(points)
-                for p in points:
-                    excess[p.x][j] = p.t
+            if pool_rows:   # nor with more rows at one context
+                for j in range(1, len(contexts) + 1):
+                    points = [_EmaPoint(r, excess[r][j]) for r in sorted(excess)]
+                    _pool_adjacent_violators(points)
+                    for p in points:
+                        excess[p.x][j] = p.t
             for seq in excess.values():
                 for j in range(1, len(seq)):
                     seq[j] = max(seq[j], seq[j - 1])
             return _ContextCurves([ref] + contexts, excess)
 
-        self._ctx_verify[b] = curves(verify_s)
+        self._ctx_verify_measured[b] = curves(verify_s)
+        self._ctx_verify_pooled[b] = curves(verify_s, pool_rows=True)
         if draft_s:
             self._ctx_draft[b] = curves({1: draft_s})
         self.reference_context = ref
@@ -797,6 +820,14 @@ class CostModel:
         row = self._verify.get(_bucket(batch_size))
         if row is None:
             row = self._verify[_bucket(batch_size)] = _Row()
+        elif track_level and self._between_buckets(batch_size):
+            # Brought to the bucket's own batch size by the model's ratio between the two (see
+            # _verify_at), so the row's points stay where the calibration put them.
+            b, r = _bucket(batch_size), num_tokens / batch_size
+            at_b, at_batch = row.predict(b * r), self._verify_at(batch_size, [r])[0]
+            if at_b > 0 and at_batch > 0:
+                seconds *= at_b / at_batch
+                num_tokens = round(b * r)
         # A point per verified rows per sequence (depth + 1 for a chain), not per power-of-two
         # token bucket: at 16 sequences depths 2 and 3 (48 and 64 tokens) would share a point,
         # and on the CPU their costs differ by odd/even row effects a bucket's mean blurs.
@@ -820,19 +851,49 @@ class CostModel:
         the batch buckets and the context term are looked up once)."""
         if not self._verify:
             return [0.0] * len(token_counts)
-        weights = [(self._verify[b], w) for b, w in _bucket_weights(sorted(self._verify), batch_size)]
-        # The context term: its batch buckets and contexts looked up once, read per rows.
         B = max(1, batch_size)
+        if self._between_buckets(B):
+            bases = self._verify_at(B, [n / B for n in token_counts])
+        else:
+            weights = [(self._verify[b], w) for b, w in _bucket_weights(sorted(self._verify), batch_size)]
+            bases = [sum(w * row.predict(n) for row, w in weights) for n in token_counts]
+        # The context term: its batch buckets and contexts looked up once, read per rows.
         terms = ([(curves, w, curves.at_context(context_tokens / B))
                   for b, w in _bucket_weights(sorted(self._ctx_verify), B) for curves in (self._ctx_verify[b],)]
                  if context_tokens is not None and self._ctx_verify else [])
         out = []
-        for n in token_counts:
-            base = sum(w * row.predict(n) for row, w in weights)
+        for n, base in zip(token_counts, bases):
             rows = n / B
             excess = B * sum(w * curves.over_rows(values, rows) for curves, w, values in terms)
             out.append(max(0.1 * base, base + excess))
         return out
+
+    def _between_buckets(self, batch_size: int) -> bool:
+        """Whether a verify pass at `batch_size` is read between two measured buckets (the
+        one it falls in and the one below), which only _verify_at does."""
+        b = _bucket(batch_size)
+        return (self.verify_by_rows and batch_size != b and b in self._verify
+                and b // 2 in self._verify)
+
+    def _verify_at(self, batch_size: int, rows: Sequence[float]) -> list[float]:
+        """The verify pass of `batch_size` sequences of each of `rows` rows (context as the
+        rows hold it), between the measured buckets b / 2 < batch_size < b: each bucket's
+        row read at the same rows per sequence, linear in the batch size between them.
+
+        A pass's cost is not a function of its token count alone: it steps where the rows per
+        sequence do (the attention's tiles; on the dev CPU 4 rows to 5 cost 1.20x at 8-32
+        sequences, 3 to 4 and 5 to 6 1.12-1.17x). Read as a token count on its own bucket's
+        row, 13 sequences of 5 rows (65 tokens) sat beside 16 sequences of 4 (64): right after
+        the start-up calibration, depth 3 at 13 sequences and 140 tokens of context was priced
+        4% over its timed pass and depth 4 3% under, 7% between the two depths the plan chose
+        from at 16 requests. Read at the rows in buckets 8 and 16, linear between them, the two
+        priced within 1% of each other's timed ratio (the thirty-second session; with the
+        context curves as measured, see set_context_curves).
+        """
+        b = _bucket(batch_size)
+        lo, hi = self._verify[b // 2], self._verify[b]
+        w = (batch_size - b // 2) / (b - b // 2)
+        return [(1.0 - w) * lo.predict(b // 2 * r) + w * hi.predict(b * r) for r in rows]
 
     def t_draft_total_many(self, batch_size: int, depths: Sequence[int],
                            context_tokens: int | None = None) -> list[float]:
@@ -1022,6 +1083,8 @@ class AdaptiveController:
         bias_limits: tuple[float, float] = (0.6, 1.5),
         stop_scale: float = 1.0,
         plan_per_bucket: bool = True,
+        verify_by_rows: bool = True,
+        context_rows_monotone: bool = False,
     ):
         if mode not in ("adaptive", "static"):
             raise ValueError(f"controller mode must be 'adaptive' or 'static', got {mode!r}")
@@ -1104,7 +1167,8 @@ class AdaptiveController:
 
         if not 0.0 <= cross_alpha <= 1.0:
             raise ValueError(f"cross_alpha must be in [0, 1], got {cross_alpha}")
-        self.costs = CostModel(cost_alpha, cross_alpha=cross_alpha)
+        self.costs = CostModel(cost_alpha, cross_alpha=cross_alpha, verify_by_rows=verify_by_rows,
+                               context_rows_monotone=context_rows_monotone)
         # Global per-position acceptance a_k (index k-1) and sibling acceptance b.
         self.acceptance = [prior_acceptance] * max_depth
         # Early stop (chains): continuation c_k = P(a chain allowed past depth k that reached it

@@ -822,27 +822,65 @@ def test_the_context_term_is_read_between_the_contexts_measured():
         assert min(line) > 0.04 and line_tilt > 2 * tilt, (c, line, e)
 
 
-def test_context_curves_never_read_cheaper_for_a_longer_context_or_more_rows():
-    """Calibration noise that has a longer context or more rows measure cheaper is read as
-    flat, never as a pass that gets cheaper; contexts that differ by rows are refused."""
+def test_context_curves_never_read_cheaper_for_a_longer_context():
+    """Calibration noise that has a longer context measure cheaper is read as flat, never as a
+    pass that gets cheaper; contexts that differ by rows are refused. Across rows the figures
+    stand as measured (2 rows may read the context for more than 3: the attention's tiles),
+    unless context_rows_monotone pools them as before."""
+    table = {1: {128: 0.016, 256: 0.012}, 2: {128: 0.008, 256: 0.040}}
     costs = CostModel()
-    costs.set_context_curves(16, {1: {128: 0.016, 256: 0.012}, 2: {128: 0.008, 256: 0.040}},
-                             {128: 0.001, 256: 0.0005}, 32)
+    costs.set_context_curves(16, table, {128: 0.001, 256: 0.0005}, 32)
     snap = costs.snapshot()
     one, two = snap["verify_context_s"][16][1], snap["verify_context_s"][16][2]
-    # per sequence: 2 rows' cheaper figure at 128 pooled with 1 row's; 1 row's at 256 held at
-    # what it measured at 128
-    assert one[32] == two[32] == 0.0 and one[128] == two[128] == pytest.approx((0.016 + 0.008) / 2 / 16)
+    # per sequence: 1 row's figure at 256 held at what it measured at 128; 2 rows' cheaper
+    # figure at 128 kept
+    assert one[32] == two[32] == 0.0
+    assert one[128] == pytest.approx(0.016 / 16) and two[128] == pytest.approx(0.008 / 16)
     assert one[256] == pytest.approx(0.016 / 16) and two[256] == pytest.approx(0.040 / 16)
     assert snap["draft_context_s"][16] == {32: 0.0, 128: 0.001 / 16, 256: 0.001 / 16}
-    assert list(snap["verify_s_per_context_token"][16].values()) == sorted(snap["verify_s_per_context_token"][16].values())
     # read between and beyond the contexts measured, for the whole batch
-    per_seq = [one[32], one[128], two[256]]
-    assert costs._excess_context(costs._ctx_verify, 16, 16 * 80, rows=1) == pytest.approx(16 * per_seq[1] * 48 / 96)
+    assert costs._excess_context(costs._ctx_verify, 16, 16 * 80, rows=1) == pytest.approx(16 * one[128] * 48 / 96)
     assert costs._excess_context(costs._ctx_verify, 16, 16 * 384, rows=2) == pytest.approx(
-        16 * (per_seq[2] + (per_seq[2] - two[128]) * 128 / 128))
+        16 * (two[256] + (two[256] - two[128]) * 128 / 128))
     with pytest.raises(ValueError, match="same contexts"):
         costs.set_context_curves(16, {1: {128: 0.01}, 2: {128: 0.01, 256: 0.02}}, None, 32)
+    # Pooled: 2 rows' cheaper figure at 128 averaged with 1 row's.
+    pooled = CostModel(context_rows_monotone=True)
+    pooled.set_context_curves(16, table, None, 32)
+    snap = pooled.snapshot()
+    one, two = snap["verify_context_s"][16][1], snap["verify_context_s"][16][2]
+    assert one[128] == two[128] == pytest.approx((0.016 + 0.008) / 2 / 16)
+    assert list(snap["verify_s_per_context_token"][16].values()) == sorted(snap["verify_s_per_context_token"][16].values())
+
+
+def test_a_batch_between_buckets_is_read_at_its_rows_in_both():
+    """A pass's cost steps with the rows per sequence, not with the tokens alone: 13 sequences
+    of 5 rows are not 16 of 4. Between the measured buckets 8 and 16, each is read at the
+    rows, linear in the batch size; an online step there is brought to its bucket's batch
+    size, so the bucket's points stay at its own token counts."""
+    def stepped(b, n):   # 5 rows and up cost a step more per sequence
+        rows = n / b
+        return 0.002 + 0.0003 * n + (0.0004 * b if rows >= 5 else 0.0)
+    costs = CostModel(level_alpha=0.1)
+    for b in (8, 16):
+        for rows in range(1, 9):
+            costs.observe_verify(b, b * rows, stepped(b, b * rows), track_level=False)
+    for rows in (3, 4, 5, 6):
+        assert costs.t_verify(13, 13 * rows) == pytest.approx(stepped(13, 13 * rows))
+    # Read as 65 tokens on bucket 16's row, 5 rows of 13 would sit just past 4 rows of 16.
+    old = CostModel(verify_by_rows=False)
+    for rows in range(1, 9):
+        old.observe_verify(16, 16 * rows, stepped(16, 16 * rows), track_level=False)
+    assert old.t_verify(13, 65) < 0.95 * stepped(13, 65)
+    # Online steps at 13 sequences, all 1.1x the model: the bucket's points keep their place
+    # and its level takes the rise (all of it: bucket 8, not seen, keeps its figures).
+    for _ in range(80):
+        costs.observe_verify(13, 13 * 5, 1.1 * stepped(13, 13 * 5))
+    xs = [x for x, _ in costs.snapshot()["verify_s"][16].values()]
+    assert xs == [16.0 * rows for rows in range(1, 9)]
+    assert costs.t_verify(13, 13 * 5) == pytest.approx(1.1 * stepped(13, 13 * 5), rel=0.01)
+    assert 1.1 < costs.t_verify(16, 16 * 4) / stepped(16, 16 * 4) < 1.2
+    assert costs.t_verify(8, 8 * 4) == pytest.approx(stepped(8, 8 * 4))
 
 
 def test_speculates_at_high_load_with_long_contexts_when_it_pays():

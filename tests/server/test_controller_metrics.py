@@ -87,7 +87,7 @@ def test_steps_carry_their_context_and_calibration_measured_its_cost(adaptive_se
     # per rows per sequence (every one measured), none negative
     slopes = snap["verify_s_per_context_token"][1]
     assert {1, 2, 3, 5} <= set(slopes) and all(v >= 0 for v in slopes.values())
-    assert list(slopes.values()) == sorted(slopes.values())   # more rows never read the context for less
+    # (per rows as measured: not necessarily rising with the rows, see set_context_curves)
     # measured at two longer contexts than the reference (the curve is read between them),
     # every rows there, never cheaper for a longer context
     contexts = {c for per in snap["verify_context_s"][1].values() for c in per}
