@@ -275,6 +275,26 @@ when the depths that ran measured below their predictions, the ones that did not
 benefit of the doubt, and the plan goes to try them). Plain decoding (depth 0, whose tokens
 the model cannot get wrong) keeps its own figure about 1.
 
+**Churn.** A step's goodput is not the server's: each request that ends leaves its slot
+yielding nothing until the next request decodes, and that gap is counted in steps, not seconds
+(the new request is admitted at a step boundary and its prompt's step yields it one token), so a
+deeper plan, whose steps are longer, loses more to it. Over one slot's cycle a request of ``L``
+tokens takes ``L / E`` steps and the gap ``g`` more, so the slot's rate is
+``E / t * 1 / (1 + g * E / L)``, not ``E / t``. On the dev CPU at 16 requests the sweep's fixed
+depths decoded 16.0, 15.8, 15.7, 15.5, 15.3, 15.1 sequences a step on average at depths 0-5,
+the same ~2.2 empty slot-steps per request at every depth (the twenty-seventh session's step
+logs; the client's turnaround adds to the step-bound part, ``1 - 1/E`` of a step for the
+prompt's and half a step's wait for the boundary): at depth 4 against 3 that is 1.3% of
+throughput, at 5 2.8%, which the step goodput does not see, where the predictions of depths 3-5
+stood within 1-2% of each other. So the decision reads each depth's predicted goodput times
+``1 / (1 + churn_steps * E_d / L)`` (``E_d`` the tokens a sequence of the depth's best plan),
+``L`` the mean tokens a request decoded over the last finished requests (none: no term). The
+guard, the bias and the step log's predictions keep the step's own goodput, which is what a
+step measures. Tried in the twenty-seventh session, it did not pay while the calibration priced
+depth 3 5-7% dear at 8-32 requests (see ``CostModel._verify_at``); with the verify pass priced
+at its rows (the thirty-second session, sweep s32f) it moved the plan at 16 and 32 requests
+from depths 4-5 to depth 3 (71% and 80% of the time), +5% and +4% of throughput there.
+
 **Hysteresis.** The current plan is kept unless the best plan's predicted goodput beats it by
 more than ``switch_margin`` (relative), or some other plan has been best for
 ``switch_patience`` consecutive evaluations (then the latest best is taken). A plan is
@@ -1027,10 +1047,13 @@ class _Bias:
 class _RequestAcceptance:
     ema: list[float] = field(default_factory=list)    # [max_depth] per-position EMA
     count: list[int] = field(default_factory=list)    # [max_depth] observations
+    tokens: int = 0                                   # emitted by its decode steps so far
 
 
 # What the prior acceptance is worth, in observations: a position's first few average with it.
 _PRIOR_OBSERVATIONS = 4
+# Finished requests before their mean length prices the churn (see "Churn").
+_CHURN_MIN_FINISHED = 4
 
 
 class AdaptiveController:
@@ -1085,6 +1108,8 @@ class AdaptiveController:
         plan_per_bucket: bool = True,
         verify_by_rows: bool = True,
         context_rows_monotone: bool = False,
+        churn_steps: float = 1.5,
+        churn_alpha: float = 0.05,
     ):
         if mode not in ("adaptive", "static"):
             raise ValueError(f"controller mode must be 'adaptive' or 'static', got {mode!r}")
@@ -1164,6 +1189,14 @@ class AdaptiveController:
         if stop_scale < 0:
             raise ValueError(f"stop_scale must be >= 0 (0: no early stop), got {stop_scale}")
         self.stop_scale = stop_scale
+        if churn_steps < 0 or not 0 < churn_alpha <= 1:
+            raise ValueError(f"churn_steps must be >= 0 (0: off) and churn_alpha in (0, 1], "
+                             f"got {churn_steps}, {churn_alpha}")
+        self.churn_steps = churn_steps
+        self.churn_alpha = churn_alpha
+        # Tokens a request decoded, over the finished ones (see "Churn"): mean and count.
+        self.request_tokens = 0.0
+        self._num_finished = 0
 
         if not 0.0 <= cross_alpha <= 1.0:
             raise ValueError(f"cross_alpha must be in [0, 1], got {cross_alpha}")
@@ -1273,8 +1306,24 @@ class AdaptiveController:
                     self.costs.observe_draft_total(b, d, float(measure_draft_total(b, d)), track_level=False)
 
     def forget(self, request_id: Hashable) -> None:
-        """The request finished: drop its acceptance history."""
-        self._requests.pop(request_id, None)
+        """The request finished: drop its acceptance history (its decoded tokens count
+        toward the mean request's, see "Churn")."""
+        r = self._requests.pop(request_id, None)
+        if r is not None and r.tokens > 0:
+            self._num_finished += 1
+            w = max(self.churn_alpha, 1.0 / self._num_finished)
+            self.request_tokens += w * (r.tokens - self.request_tokens)
+
+    def churn_factors(self, scores: dict[Plan, tuple[float, float]]) -> list[float]:
+        """Per depth 0..max_depth, what a slot's rate keeps of the step's goodput at that depth's
+        best plan: 1 / (1 + churn_steps * E / L) (1.0 before _CHURN_MIN_FINISHED requests ended,
+        or with churn_steps 0). See "Churn" in the module docstring."""
+        out = [1.0] * (self.max_depth + 1)
+        if self.churn_steps <= 0 or self._num_finished < _CHURN_MIN_FINISHED or self.request_tokens <= 0:
+            return out
+        for d, (_, e) in _best_per_depth(scores).items():
+            out[d] = 1.0 / (1.0 + self.churn_steps * e / self.request_tokens)
+        return out
 
     # ---------------------------------------------------------------- estimates
     def global_acceptance(self) -> list[float]:
@@ -1509,7 +1558,8 @@ class AdaptiveController:
         if fresh:
             scores = self.evaluate(batch_size, request_ids, context_tokens, depth_caps)
             self._scores, self._scores_key, self._since_evaluated = scores, batch_key, 0
-            self._factors = self.bias_factors(batch_size)
+            churn = self.churn_factors(scores)
+            self._factors = [f * c for f, c in zip(self.bias_factors(batch_size), churn)]
             if self.plan_per_bucket:
                 self._enter_bucket(_bucket(batch_size))
             cur = self._decide(self._corrected(scores, self._factors))
@@ -1875,6 +1925,7 @@ class AdaptiveController:
             if r is None:
                 r = self._requests[rid] = _RequestAcceptance(
                     self.global_acceptance(), [0] * self.max_depth)
+            r.tokens += n_acc + 1
             d_i = min(d, stats.seq_depths[i]) if stats.seq_depths else d
             drafted = d_i if stats.drafted_depths is None else min(d_i, stats.drafted_depths[i])
             for k in range(min(n_acc + 1, d_i)):   # position k+1
@@ -1971,6 +2022,7 @@ class AdaptiveController:
             "num_probes": self.num_probes,
             "num_explorations": self.num_explorations,
             "num_guard_trips": self.num_guard_trips,
+            "request_tokens": self.request_tokens,
             "num_tracked_requests": len(self._requests),
             # batch bucket -> each depth's bias factor (1.0 where it has no figure)
             "bias_factors": {b: self.bias_factors(b)

@@ -1048,6 +1048,61 @@ def test_a_far_bump_in_the_estimates_is_not_part_of_the_band():
     assert plan == Plan(3, 3)
 
 
+def finish_requests(ctrl, lengths):
+    """Requests served by plain steps, one token each, then finished (forget)."""
+    for i, n in enumerate(lengths):
+        rid = f"done{i}"
+        for _ in range(n):
+            ctrl.observe(StepStats(batch_size=1, depth=0, num_nodes=0, draft_s=0.0, verify_s=0.0,
+                                   num_accepted=[0], request_ids=[rid]))
+        ctrl.forget(rid)
+
+
+def test_the_mean_request_length_is_learnt_from_finished_requests():
+    ctrl = AdaptiveController(max_depth=4, churn_alpha=0.1)
+    scores = {Plan(d, d): (100.0, 1.0 + 0.8 * d) for d in range(5)}
+    finish_requests(ctrl, [20, 40, 60])
+    assert ctrl.request_tokens == pytest.approx(40.0)   # the first few: a plain mean
+    # Too few finished requests to price the churn by.
+    assert ctrl.churn_factors(scores) == [1.0] * 5
+    finish_requests(ctrl, [40])
+    assert ctrl.snapshot()["request_tokens"] == pytest.approx(40.0)
+    factors = ctrl.churn_factors(scores)
+    assert factors == pytest.approx([1.0 / (1.0 + 1.5 * (1.0 + 0.8 * d) / 40.0) for d in range(5)])
+    # Later requests move it by churn_alpha; a request that never decoded does not count.
+    ctrl.forget("never-seen")
+    finish_requests(ctrl, [140])
+    assert ctrl.request_tokens == pytest.approx(40.0 + 0.2 * 100.0)
+    assert AdaptiveController(churn_steps=0).churn_factors(scores) == [1.0] * 9
+    with pytest.raises(ValueError, match="churn_steps"):
+        AdaptiveController(churn_steps=-1)
+
+
+# Step goodput over depth as it stood at 16 requests on the CPU (the twenty-sixth and
+# twenty-seventh sessions' step logs): depths 3-5 within 1.5%, with the tokens a sequence
+# of 0.8 acceptance per position.
+LEVEL_TOP = {d: (g, 1.0 + sum(0.8 ** k for k in range(1, d + 1)))
+             for d, g in {0: 60, 1: 80, 2: 92, 3: 100, 4: 100.5, 5: 99, 6: 95}.items()}
+
+
+@pytest.mark.parametrize("churn_steps, request_tokens, depth", [
+    (0.0, 16, 4),    # off: the centre of the band 3-5 (heights 4.5, 5.0, 3.5 over 95.5)
+    (1.5, 400, 4),   # long requests: the slots' churn moves the band by a fraction of a depth
+    (1.5, 16, 3),    # short ones: depth 4 keeps 2.9% less of its step goodput than 3
+])
+def test_churn_moves_the_plan_toward_shallower_depths_for_short_requests(churn_steps, request_tokens, depth):
+    ctrl = calibrated(flat_verify, cheap_draft, probe_interval=0, explore_interval=0, guard_interval=0,
+                      churn_steps=churn_steps)
+    ctrl.evaluate = lambda *a, **k: {Plan(d, d): v for d, v in LEVEL_TOP.items()}
+    finish_requests(ctrl, [request_tokens] * 4)
+    ids = [f"r{i}" for i in range(16)]
+    for _ in range(40):
+        plan = ctrl.plan(16, ids)
+    assert plan == Plan(depth, depth)
+    # The step log's predictions and the guard keep the step's own goodput.
+    assert ctrl.goodput_estimate == LEVEL_TOP[depth][0]
+
+
 def test_plans_are_evaluated_every_replan_interval_steps_or_when_the_batch_changes():
     ctrl = calibrated(flat_verify, cheap_draft, replan_interval=4)
     calls = []
