@@ -467,6 +467,20 @@ class _ContextCurves:
         f = (context - xs[j - 1]) / (xs[j] - xs[j - 1])
         return [e[j - 1] + f * (e[j] - e[j - 1]) for e in self.excess]
 
+    def at(self, context: float, rows: float) -> float:
+        """over_rows(at_context(context), rows), reading only the rows it needs."""
+        xs = self.contexts
+        j = min(max(bisect.bisect_right(xs, context), 1), len(xs) - 1)
+        f = (context - xs[j - 1]) / (xs[j] - xs[j - 1])
+        rs, excess = self.rows, self.excess
+        if rows <= rs[0] or rows >= rs[-1]:
+            e = excess[0] if rows <= rs[0] else excess[-1]
+            return e[j - 1] + f * (e[j] - e[j - 1])
+        i = bisect.bisect_left(rs, rows)
+        lo, hi = excess[i - 1], excess[i]
+        v0, v1 = lo[j - 1] + f * (lo[j] - lo[j - 1]), hi[j - 1] + f * (hi[j] - hi[j - 1])
+        return v0 + (v1 - v0) * (rows - rs[i - 1]) / (rs[i] - rs[i - 1])
+
     def over_rows(self, values: list[float], rows: float) -> float:
         """at_context's values read at `rows` rows per sequence."""
         rs = self.rows
@@ -610,8 +624,10 @@ class _Row:
         if level_alpha > 0:
             self._last_key = tb
         cross = seconds / self.level
-        reference = self._reference()   # measured points only: stand-ins are not part of the shape
-        if level_alpha > 0 and reference:
+        # The measured points (stand-ins are not part of the shape), read only for a new point:
+        # a point here that is not new is measured (stand-ins returned above), so the row has one.
+        reference = self._reference() if p is None else None
+        if level_alpha > 0 and (p is not None or reference):
             # Measured against the row's reference shape at today's level; one stall moves
             # the level by level_alpha of 2x at most.
             predicted = self.level * (p.ref if p is not None else _interp_points(reference, num_tokens))
@@ -776,10 +792,7 @@ class CostModel:
         B = max(1, batch_size)
         per_seq = context_tokens / B
 
-        def at(b: int) -> float:
-            curves = table[b]
-            return curves.over_rows(curves.at_context(per_seq), rows)
-        return B * _across_batch_buckets(sorted(table), B, at)
+        return B * _across_batch_buckets(sorted(table), B, lambda b: table[b].at(per_seq, rows))
 
     def _strip_context(self, table: dict[int, _ContextCurves], batch_size: int, context_tokens: int | None,
                        seconds: float, levels: int = 1, rows: float = 1.0) -> float:
@@ -1025,21 +1038,35 @@ class _Bias:
         expect) worth eight steps: weight n / (n + noise² / prior_sd²). At one sequence a 20%
         bias takes ~50 steps to show, and three lucky steps in a row move nothing; at 64, a
         few steps do."""
+        return _Bias.shifted(self.evidence(step, decay, prior_sd, noise_sd, deadband, lo, hi), centre, prior_sd)
+
+    def evidence(self, step: int, decay: float, prior_sd: float, noise_sd: float,
+                 deadband: float, lo: float, hi: float) -> tuple[float, float, float, float] | None:
+        """What ``factor`` reads whatever the centre: (ratio, weight, variance, band), or None
+        without figures (the factor is then the centre)."""
         # Read without aging in place (the metrics scrape reads it from another thread): the
         # ratios and the mean do not change with the discount, the weight and the spread do.
         f = (1.0 - decay) ** (step - self.step) if step > self.step else 1.0
         n = self.weight * f
         if self.tokens_pred <= 0.0 or self.time_r <= 0.0 or n <= 0.0:
-            return centre
+            return None
         mean = self.sum_r / self.weight
         var = (max(0.0, self.sum_r2 - self.weight * mean * mean) * f + 8.0 * noise_sd ** 2) / (n + 8.0)
         ratio = (self.tokens / self.tokens_pred) / (self.time_r / self.weight)
         ratio = min(hi, max(lo, ratio))
-        shift = (ratio - centre) * n / (n + var / prior_sd ** 2)
         # What is left inside the dead band is noise as often as not, and on a flat top a
         # few percent either way moves the plan: only the excess over the band, or over the
         # posterior's sd where that is wider (thin evidence), corrects.
         band = max(deadband, math.sqrt(1.0 / (1.0 / prior_sd ** 2 + n / var)))
+        return ratio, n, var, band
+
+    @staticmethod
+    def shifted(evidence: tuple[float, float, float, float] | None, centre: float, prior_sd: float) -> float:
+        """The factor from ``evidence`` about ``centre``."""
+        if evidence is None:
+            return centre
+        ratio, n, var, band = evidence
+        shift = (ratio - centre) * n / (n + var / prior_sd ** 2)
         return centre + math.copysign(max(0.0, abs(shift) - band), shift)
 
 
@@ -1712,15 +1739,17 @@ class AdaptiveController:
         # use keeps an edge over neighbours that would beat it (see "Bias").
         # Only upward: where the depths that ran measured below their predictions, the
         # others keep the benefit of the doubt (1), so the plan still goes to try them.
-        own = [None if bias is None else bias.factor(*args) for bias in biases]
+        prior_sd = self.bias_prior_sd
+        evidence = [None if bias is None else bias.evidence(*args) for bias in biases]
+        own = [None if bias is None else _Bias.shifted(e, 1.0, prior_sd) for bias, e in zip(biases, evidence)]
         measured = [f for f in own[1:] if f is not None]
         centre = max(1.0, sum(measured) / len(measured)) if measured else 1.0
         out = [1.0 if own[0] is None else own[0]]
-        for bias, f in zip(biases[1:], own[1:]):
+        for bias, f, e in zip(biases[1:], own[1:], evidence[1:]):
             if bias is None:
                 out.append(centre)
             else:   # read around 1, as it was computed, unless the centre is above it
-                out.append(f if centre == 1.0 else bias.factor(*args, centre=centre))
+                out.append(f if centre == 1.0 else _Bias.shifted(e, centre, prior_sd))
         return out
 
     @staticmethod
