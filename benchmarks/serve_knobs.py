@@ -18,6 +18,11 @@ arguments set in ``AdaptiveController.__init__`` set as a controller built with 
 have them: so a knob that seeds an estimate (``prior_acceptance``) starts that estimate over.
 From then on it learns on its own steps only. Arguments that size the controller's tables
 (``max_depth``, ``max_num_nodes``) or its mode cannot be knobs.
+
+One knob is not a constructor argument: ``shadow_depth=D`` has the controller plan and learn
+every step as usual while each step runs static depth D (no early stop). Beside ``staticD``
+in the same process, the difference is what the controller's own work costs the server (its
+Python, and whatever it does to the passes around it), with the depths the same.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import inspect
 import sys
 
 FIXED = {"mode", "max_depth", "max_num_nodes", "static_depth", "static_num_nodes"}
+SHADOW = "shadow_depth"
 
 
 def parse_knobs(specs: list[str]) -> dict[str, dict[str, object]]:
@@ -48,9 +54,15 @@ def parse_knobs(specs: list[str]) -> dict[str, dict[str, object]]:
         for item in _split_top(body):
             key, eq, value = item.partition("=")
             key = key.strip()
-            if not eq or key not in params or key == "self":
+            if not eq or (key not in params and key != SHADOW) or key == "self":
                 raise SystemExit(f"serve_knobs: --knobs {name}: {key!r} is not an AdaptiveController argument "
                                  f"(one of: {', '.join(k for k in params if k != 'self')})")
+            if key == SHADOW:
+                try:
+                    knobs[key] = int(value)
+                except ValueError:
+                    raise SystemExit(f"serve_knobs: --knobs {name}: {SHADOW} needs an integer depth, got {value!r}") from None
+                continue
             if key in FIXED:
                 raise SystemExit(f"serve_knobs: --knobs {name}: {key!r} sizes the controller or sets its mode; "
                                  "it cannot differ inside one process")
@@ -110,6 +122,8 @@ def _apply(target, base, changed) -> None:
 def knob_controller(start: object, knobs: dict[str, object]) -> object:
     """A copy of the start-up controller `start` with `knobs` applied (see the docstring)."""
     cls = type(start)
+    knobs = dict(knobs)
+    shadow = knobs.pop(SHADOW, None)
     shape = dict(mode="adaptive", max_depth=start.max_depth, max_num_nodes=start.max_num_nodes,
                  stop_scale=start.stop_scale)
     try:
@@ -118,7 +132,25 @@ def knob_controller(start: object, knobs: dict[str, object]) -> object:
         raise ValueError(f"knobs {knobs}: {e}") from None
     out = copy.deepcopy(start)
     _apply(out, cls(**shape), changed)
+    if shadow is not None:
+        if not 0 <= shadow <= start.max_depth:
+            raise ValueError(f"knobs {knobs}: {SHADOW} must be in 0..{start.max_depth}, got {shadow}")
+        _shadow(out, shadow)
     return out
+
+
+def _shadow(controller, depth: int) -> None:
+    """Have `controller` plan as usual and run `depth` every step (see the module docstring)."""
+    from specserve.controller import Plan
+
+    planned = controller.plan
+
+    def plan(batch_size, request_ids=(), context_tokens=None, depth_caps=None):
+        planned(batch_size, request_ids, context_tokens, depth_caps)
+        controller.stop_below = 0.0
+        return Plan(depth, depth)
+
+    controller.plan = plan
 
 
 def install(knobs: dict[str, dict[str, object]], cls: type | None = None) -> None:

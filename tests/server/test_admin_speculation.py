@@ -226,6 +226,35 @@ def test_knob_controllers_take_turns_with_adaptive_in_one_server(admin_server, r
         serve_knobs.knob_controller(start, {"bias_half_life": -1})
 
 
+def test_a_shadow_knob_plans_as_usual_and_runs_one_depth():
+    """serve_knobs' shadow_depth=D: the copy plans and learns every step as adaptive would (its
+    own work stays in the step) while each step runs depth D without early stop, so beside
+    staticD in one server the difference is the controller's cost alone."""
+    from benchmarks import serve_knobs
+    from specserve.controller import AdaptiveController, Plan, StepStats
+
+    assert serve_knobs.parse_knobs(["sh:shadow_depth=5,explore_interval=16"]) == {
+        "sh": {"shadow_depth": 5, "explore_interval": 16}}
+    with pytest.raises(SystemExit, match="integer depth"):
+        serve_knobs.parse_knobs(["sh:shadow_depth=deep"])
+    start = AdaptiveController(max_depth=8, stop_scale=1.0)
+    start.calibrate(lambda b, n: 0.01 + 0.001 * n, lambda b: 0.002, batch_sizes=(1,), nodes_per_seq=range(9))
+    with pytest.raises(ValueError, match="shadow_depth must be in 0..8"):
+        serve_knobs.knob_controller(start, {"shadow_depth": 9})
+    shadow = serve_knobs.knob_controller(start, {"shadow_depth": 5, "explore_interval": 16})
+    assert shadow.explore_interval == 16
+    for step in range(40):
+        plan = shadow.plan(1, ["r"], 100, [8])
+        assert plan == Plan(5, 5) and shadow.stop_below == 0.0
+        shadow.observe(StepStats(batch_size=1, depth=5, num_nodes=5, draft_s=0.01, verify_s=0.015,
+                                 num_accepted=[5 if step % 2 else 2], request_ids=["r"]))
+    # It planned every step on its own estimates and learned from the depth-5 steps it ran.
+    assert sum(shadow.depth_histogram.values()) == 40 and shadow.goodput_estimate > 0
+    assert shadow.num_steps == 40
+    assert shadow.acceptance[:5] != start.acceptance[:5]
+    assert start.num_steps == 0
+
+
 def _post_reset(srv) -> tuple[int, dict]:
     return _post(srv, {}, path="/admin/reset_prefix_cache")
 
