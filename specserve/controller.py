@@ -1029,20 +1029,9 @@ class _Bias:
         self.sum_r += r
         self.sum_r2 += r * r
 
-    def factor(self, step: int, decay: float, prior_sd: float, noise_sd: float,
-               deadband: float, lo: float, hi: float, centre: float = 1.0) -> float:
-        """The correction of the depth's predicted goodput: measured over predicted tokens per
-        second shrunk toward ``centre`` (1, or the correction the other depths share: see
-        ``bias_factors``) as a normal mean with prior sd ``prior_sd`` about it and per-step
-        noise estimated from the steps, pooled with ``noise_sd`` (what the batch size leads to
-        expect) worth eight steps: weight n / (n + noise² / prior_sd²). At one sequence a 20%
-        bias takes ~50 steps to show, and three lucky steps in a row move nothing; at 64, a
-        few steps do."""
-        return _Bias.shifted(self.evidence(step, decay, prior_sd, noise_sd, deadband, lo, hi), centre, prior_sd)
-
     def evidence(self, step: int, decay: float, prior_sd: float, noise_sd: float,
                  deadband: float, lo: float, hi: float) -> tuple[float, float, float, float] | None:
-        """What ``factor`` reads whatever the centre: (ratio, weight, variance, band), or None
+        """What ``shifted`` reads, whatever the centre: (ratio, weight, variance, band), or None
         without figures (the factor is then the centre)."""
         # Read without aging in place (the metrics scrape reads it from another thread): the
         # ratios and the mean do not change with the discount, the weight and the spread do.
@@ -1062,7 +1051,13 @@ class _Bias:
 
     @staticmethod
     def shifted(evidence: tuple[float, float, float, float] | None, centre: float, prior_sd: float) -> float:
-        """The factor from ``evidence`` about ``centre``."""
+        """The correction of the depth's predicted goodput from its ``evidence``: measured over
+        predicted tokens per second shrunk toward ``centre`` (1, or the correction the other
+        depths share: see ``bias_factors``) as a normal mean with prior sd ``prior_sd`` about it
+        and per-step noise estimated from the steps, pooled with ``noise_sd`` (what the batch
+        size leads to expect) worth eight steps: weight n / (n + noise² / prior_sd²). At one
+        sequence a 20% bias takes ~50 steps to show, and three lucky steps in a row move
+        nothing; at 64, a few steps do."""
         if evidence is None:
             return centre
         ratio, n, var, band = evidence
