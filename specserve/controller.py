@@ -192,12 +192,6 @@ on the CPU the goodput curve over depth is not concave: in the twentieth session
 16 requests the fixed depths 3, 4, 5, 6 measured 1.00, 0.89, 0.89, 0.91 of the best (four
 verify rows cheap, five dear); the plan sat at depth 5, its neighbours read as its equals,
 and depth 3, predicted at 0.95 of the top from old numbers, was not measured again.
-One step in 16 since the thirty-fifth session (8 before): each exploration also pays the
-change of shape twice (into the other depth and back; a pass whose shape keeps changing costs
-more on the CPU, see benchmarks/RESULTS.md), and in a server A/B (s35b, 6 rounds) one in 16
-read 1.017, 1.026 and 1.043x one in 8 at 1, 8 and 16 requests (+-2.6% each), at 16 requests
-85% of the time at depth 3 against 65%. The price is evidence: the bias correction (below)
-sees half the steps off the plan, so its factors move about half as far in a given run.
 
 **The centre of the band.** Near the top the goodput curve is flat (on the dev CPU at one
 request, static depths 4-7 measured within 4% of each other) and the predictions carry errors
@@ -527,7 +521,7 @@ def _pool_adjacent_violators(points: list[_EmaPoint]) -> None:
 
 # How far one comparison with a neighbouring point (a measurement right after the row measured
 # another point) moves a point's reference (AdaptiveController(cross_alpha=...)): explorations
-# come one step in 16, so each counts, but one taken just as a slow spell ends is off by the
+# come one step in 8, so each counts, but one taken just as a slow spell ends is off by the
 # spell. 0.03 and 0.3 read within 1.2% of this in a server A/B (benchmarks/RESULTS.md, s24a).
 _CROSS_ALPHA = 0.1
 
@@ -1111,7 +1105,7 @@ class AdaptiveController:
         replan_interval: int = 4,
         probe_interval: int = 200,
         probe_depth: int = 2,
-        explore_interval: int = 16,
+        explore_interval: int = 8,
         explore_margin: float = 0.15,
         tree_min_samples: int = 8,
         band_margin: float = 0.05,

@@ -661,13 +661,12 @@ def test_a_depth_two_levels_off_the_plan_is_measured_again():
         ctrl.calibrate(lambda b, t: trap_verify(b, t) * (1.25 if round(t / b) == 4 else 1.0),
                        lambda b: 0.0035, batch_sizes=[16], nodes_per_seq=range(9),
                        measure_draft_total=lambda b, d: 0.0035 * d)
-        plans = simulate(ctrl, 800, 16, _TRAP_ACCEPTANCE, trap_verify, lambda b: 0.0035, random.Random(seed))
+        plans = simulate(ctrl, 400, 16, _TRAP_ACCEPTANCE, trap_verify, lambda b: 0.0035, random.Random(seed))
         tail = plans[-300:]
         return sum(goodput(p.depth) for p in tail) / len(tail) / top, ctrl.costs.t_verify(16, 64) / trap_verify(16, 64)
 
     # Explorations within 15% of the top reach depth 3: its point is measured again and the
-    # plan moves there (0.95-0.99 of the best over 8 seeds, the last 300 of 800 steps: an
-    # exploration comes one step in 16). Neighbours alone (explore_margin
+    # plan moves there (0.95-0.99 of the best over 8 seeds). Neighbours alone (explore_margin
     # 0) left 7 of 8 seeds at depth 5, 0.89-0.92 of the best, the point still read 1.25x.
     stuck = 0
     for seed in range(8):
@@ -1353,17 +1352,16 @@ def _run_with_hidden_cost(bias: bool, batch_size: int, per_token: float, steps: 
 def test_a_depth_that_measures_below_its_prediction_loses_its_place():
     # 16 sequences, 0.3 ms of overhead per emitted token that the model cannot see: true
     # goodput by depth 3, 4, 5 is 1.0, 0.95, 0.90 of the best, but the model prices 4 and 5
-    # above 3. Uncorrected, the plan runs depth 5 or deeper for 4-27% of the run. Each
+    # above 3. Uncorrected, the plan runs depth 5 or deeper for 12-36% of the run. Each
     # depth's measured over predicted goodput corrects its prediction: the shallow depths,
-    # which carry less of the hidden cost, read 1.5-2.6% over depth 5 (the evidence comes
-    # mostly from explorations, one step in 16: with one in 8 it was 3-5%), the plan leaves
-    # depth 5 and deeper but for explorations (3-7x fewer such steps than uncorrected), and
-    # every seed's goodput rises (0.5-1.4%).
+    # which carry less of the hidden cost, read 1.03-1.04 at depth 3 against 0.97-0.99 at
+    # depth 5, the plan leaves depth 5 and deeper but for explorations (8% of the steps), and
+    # every seed's goodput rises (0.6-1.8%).
     for seed in range(4):
-        off, off_depths, _ = _run_with_hidden_cost(False, 16, 0.0003, 3000, seed)
-        on, on_depths, ctrl = _run_with_hidden_cost(True, 16, 0.0003, 3000, seed)
+        off, off_depths, _ = _run_with_hidden_cost(False, 16, 0.0003, 1500, seed)
+        on, on_depths, ctrl = _run_with_hidden_cost(True, 16, 0.0003, 1500, seed)
         f = ctrl.bias_factors(16)
-        assert f[3] > f[5] + 0.01, seed
+        assert f[3] > f[5] + 0.03, seed
         assert sum(d >= 5 for d in on_depths) < 0.7 * sum(d >= 5 for d in off_depths), seed
         assert on > 1.005 * off, seed
 

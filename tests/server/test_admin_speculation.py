@@ -180,9 +180,9 @@ def test_knob_controllers_take_turns_with_adaptive_in_one_server(admin_server, r
 
     for name in ("set_setting", "setting", "forget_history"):   # install() patches the class: undone after
         monkeypatch.setattr(Speculator, name, getattr(Speculator, name))
-    knobs = serve_knobs.parse_knobs(["calm:explore_interval=32,explore_margin=0.05",
+    knobs = serve_knobs.parse_knobs(["calm:explore_interval=16,explore_margin=0.05",
                                      "nobias:bias_half_life=0,bias_limits=(0.5, 2.0)"])
-    assert knobs == {"calm": {"explore_interval": 32, "explore_margin": 0.05},
+    assert knobs == {"calm": {"explore_interval": 16, "explore_margin": 0.05},
                      "nobias": {"bias_half_life": 0, "bias_limits": (0.5, 2.0)}}
     serve_knobs.install(knobs)
     srv, start = admin_server, admin_server.engine.spec.adaptive
@@ -194,12 +194,12 @@ def test_knob_controllers_take_turns_with_adaptive_in_one_server(admin_server, r
     assert _post(srv, {"mode": "calm"}) == (200, {"mode": "calm"})
     assert _get(srv) == (200, {"mode": "calm"})
     calm = srv.engine.spec.controller
-    assert calm is not start and calm.explore_interval == 32 and calm.explore_margin == 0.05
+    assert calm is not start and calm.explore_interval == 16 and calm.explore_margin == 0.05
     # Everything else as the start-up controller had it when first switched to: its
     # calibration and what it had learned, in a copy of its own.
     assert calm.acceptance == learned and calm.costs is not start.costs
     assert calm.switch_margin == start.switch_margin and calm.bias_decay == start.bias_decay
-    assert start.explore_interval == 16
+    assert start.explore_interval == 8
     before = sum(start.depth_histogram.values())
     text = client.completions.create(model=model, prompt="The quick brown", max_tokens=40, temperature=0)
     assert text.choices[0].text == reference["The quick brown"]
@@ -208,7 +208,7 @@ def test_knob_controllers_take_turns_with_adaptive_in_one_server(admin_server, r
 
     assert _post(srv, {"mode": "nobias"}) == (200, {"mode": "nobias"})
     nobias = srv.engine.spec.controller
-    assert nobias.bias_decay is None and nobias.bias_limits == (0.5, 2.0) and nobias.explore_interval == 16
+    assert nobias.bias_decay is None and nobias.bias_limits == (0.5, 2.0) and nobias.explore_interval == 8
     assert _post(srv, {"mode": "calm"}) == (200, {"mode": "calm"}) and srv.engine.spec.controller is calm
     assert _post(srv, {"mode": "calm", "depth": 3})[0] == 400
     assert _post(srv, {"mode": "static", "depth": 99})[0] == 400
