@@ -687,7 +687,7 @@ class CostModel:
     """Measured step costs: t_draft(B) per draft step and t_verify(B, num_tokens) per pass."""
 
     def __init__(self, alpha: float = 0.03, level_alpha: float = 0.1, cross_alpha: float = _CROSS_ALPHA,
-                 verify_by_rows: bool = True, context_rows_monotone: bool = False, mix_levels: bool = False):
+                 verify_by_rows: bool = True, context_rows_monotone: bool = False):
         self.alpha = alpha
         self.level_alpha = level_alpha
         self.cross_alpha = cross_alpha   # how far one comparison moves a point's reference
@@ -695,8 +695,6 @@ class CostModel:
         # sequence in both and interpolated in the batch size (see _verify_at), not as a token
         # count on its own bucket's row.
         self.verify_by_rows = verify_by_rows
-        # A pass measured between two buckets moves the level of the one below as well.
-        self.mix_levels = mix_levels
         self._draft: dict[int, _EmaPoint] = {}                    # batch bucket -> (B, t) of one draft level
         self._draft_rows: dict[int, _Row] = {}                    # batch bucket -> total draft time by depth
         self._overhead: dict[int, _EmaPoint] = {}                 # batch bucket -> (B, t)
@@ -861,15 +859,6 @@ class CostModel:
             b, r = _bucket(batch_size), num_tokens / batch_size
             at_b, at_batch = row.predict(b * r), self._verify_at(batch_size, [r])[0]
             if at_b > 0 and at_batch > 0:
-                if self.mix_levels:
-                    # The pass was read off both buckets' rows: the bucket below follows the
-                    # level too, as the one above does in row.observe. Left where steps of its
-                    # own batch sizes last put it, it held its shape's weight in the mix at a
-                    # stale level, and at 6-7 sequences the depth-3 pass priced 9-12% over
-                    # what static3 measured against 5% at 8 (the thirty-fifth session).
-                    lower = self._verify[b // 2]
-                    lower.level *= 1.0 + self.level_alpha * (min(max(seconds / at_batch, 0.5), 2.0) - 1.0)
-                    lower._current = None
                 seconds *= at_b / at_batch
                 num_tokens = round(b * r)
         # A point per verified rows per sequence (depth + 1 for a chain), not per power-of-two
@@ -1140,7 +1129,6 @@ class AdaptiveController:
         stop_scale: float = 1.0,
         plan_per_bucket: bool = True,
         verify_by_rows: bool = True,
-        verify_mix_levels: bool = False,
         context_rows_monotone: bool = False,
         churn_steps: float = 1.5,
         churn_alpha: float = 0.05,
@@ -1235,7 +1223,7 @@ class AdaptiveController:
         if not 0.0 <= cross_alpha <= 1.0:
             raise ValueError(f"cross_alpha must be in [0, 1], got {cross_alpha}")
         self.costs = CostModel(cost_alpha, cross_alpha=cross_alpha, verify_by_rows=verify_by_rows,
-                               context_rows_monotone=context_rows_monotone, mix_levels=verify_mix_levels)
+                               context_rows_monotone=context_rows_monotone)
         # Global per-position acceptance a_k (index k-1) and sibling acceptance b.
         self.acceptance = [prior_acceptance] * max_depth
         # Early stop (chains): continuation c_k = P(a chain allowed past depth k that reached it

@@ -883,40 +883,6 @@ def test_a_batch_between_buckets_is_read_at_its_rows_in_both():
     assert costs.t_verify(8, 8 * 4) == pytest.approx(stepped(8, 8 * 4))
 
 
-def test_a_pass_between_buckets_moves_both_rows_levels_with_mix_levels():
-    """verify_mix_levels: a pass at 10 sequences is read off buckets 8 and 16 (3/4 and 1/4),
-    so the host's pace it shows (here 1.3x the calibration) moves both rows' levels, and the
-    mix reads every rows count at 10 sequences, and both buckets, at that pace. With bucket
-    16's row alone taking the rise (the default), its level overshoots to make up for bucket
-    8's, which stays where it was, and the rows counts the steps did not run read off."""
-    def stepped(b, n):   # a fixed part, so the two buckets' shapes differ
-        rows = n / b
-        return 0.01 + 0.0003 * n + (0.0004 * b if rows >= 5 else 0.0)
-
-    def run(mix):
-        costs = CostModel(level_alpha=0.1, mix_levels=mix)
-        for b in (8, 16):
-            for rows in range(1, 9):
-                costs.observe_verify(b, b * rows, stepped(b, b * rows), track_level=False)
-        for _ in range(80):
-            costs.observe_verify(10, 10 * 6, 1.3 * stepped(10, 10 * 6))
-        return costs
-
-    costs = run(True)
-    for rows in range(1, 9):
-        assert costs.t_verify(10, 10 * rows) == pytest.approx(1.3 * stepped(10, 10 * rows), rel=0.01), rows
-    for b in (8, 16):
-        assert costs.t_verify(b, b * 4) == pytest.approx(1.3 * stepped(b, b * 4), rel=0.01), b
-    old = run(False)
-    assert old.t_verify(10, 10 * 6) == pytest.approx(1.3 * stepped(10, 10 * 6), rel=0.01)
-    assert old.t_verify(8, 8 * 4) == pytest.approx(stepped(8, 8 * 4))
-    assert old.t_verify(16, 16 * 4) > 1.6 * stepped(16, 16 * 4)
-    assert old.t_verify(10, 10 * 2) < 0.98 * 1.3 * stepped(10, 10 * 2)
-    with pytest.raises(TypeError):
-        AdaptiveController(mix_levels=True)   # the controller's name for it is verify_mix_levels
-    assert AdaptiveController(verify_mix_levels=True).costs.mix_levels
-
-
 def test_speculates_at_high_load_with_long_contexts_when_it_pays():
     """64 sequences with 300 tokens of context each, after a spell of plain decoding (as
     after a guard hold, or a cell of a sweep): speculation at depth 2 yields ~1.3x plain
