@@ -128,16 +128,6 @@ calibration, or a load since gone), and in steady state points compare by their 
 at 16 and 32 sequences 3 and 5 verify rows and 4 draft levels read 1.5x dearer than their
 neighbours for good, the predicted goodput dipped at depths 2-4, the band was depth 1 alone,
 and adaptive sat at depth 1-2 where 3-4 were best.
-A comparison is two *whole passes of one batch size*, one right after the other: every tree as
-planned, both timed (``clean_comparisons``), and its target lies within 1.3x of the reference
-either way (``cross_clip``). Other passes move the level only: one whose trees were cut near
-max_tokens (sequences of different rows, each group padded to its longest: it costs what no
-point does; its level is read against the shape at its token count), one after a step of
-another batch size (read through the bucket below's row, whose level may date from another
-load), one after a step that prefilled. In the thirty-sixth session's server logs at 16
-requests, with depth 4 held, such passes moved the 4-row reference by 2-6% each, one stall
-by 5%; the 4-row over 5-row reference wandered 0.80-0.91 where the static depths measured
-0.83, and the plan sat at depths 4-5 where 3 was best (benchmarks/RESULTS.md, s36b).
 **Context.** Attention reads every cached token of a sequence for each of its rows, so a pass
 also costs in proportion to the batch's context ``C`` (its tokens in the KV cache, summed) and
 that share does not grow with the rows verified; at 64 sequences of a few hundred tokens on
@@ -534,9 +524,6 @@ def _pool_adjacent_violators(points: list[_EmaPoint]) -> None:
 # come one step in 8, so each counts, but one taken just as a slow spell ends is off by the
 # spell. 0.03 and 0.3 read within 1.2% of this in a server A/B (benchmarks/RESULTS.md, s24a).
 _CROSS_ALPHA = 0.1
-# How far from a point's reference one comparison's target may lie (a ratio, 1 + this either
-# way; AdaptiveController(cross_clip=...)).
-_CROSS_CLIP = 0.3
 
 
 class _Row:
@@ -602,29 +589,13 @@ class _Row:
 
     def observe(self, num_tokens: int, seconds: float, alpha: float, level_alpha: float,
                 is_reference: bool = False, provisional: bool = False, key: int | None = None,
-                cross_alpha: float = _CROSS_ALPHA, compare: bool = True, mixed: bool = False,
-                cross_clip: float = 1.0) -> None:
+                cross_alpha: float = _CROSS_ALPHA) -> None:
         """is_reference: a careful measurement (calibration) that fixes the point's reference.
         provisional: a stand-in (a calibration that does not run the way the engine's steps
         do) used until the first real measurement, which then replaces it outright, value
-        and reference, without moving the level.
-        compare: whether this measurement may stand as a comparison with the row's previous
-        one (see below; the caller knows whether the two passes were of one batch).
-        mixed: a pass whose sequences verified different numbers of rows (trees cut near
-        max_tokens): it moves the level, read against the shape at its token count, and
-        teaches no point (padded per rows, it costs what no single point does).
-        cross_clip: a comparison's target stays within (1 + cross_clip) of the reference."""
+        and reference, without moving the level."""
         self._current = None
         tb = self.key(num_tokens) if key is None else key
-        reference = self._reference() if mixed and not provisional and not is_reference else None
-        if reference:   # (a row with nothing measured yet takes it as a point, better than none)
-            if level_alpha > 0:
-                predicted = self.level * _interp_points(reference, num_tokens)
-                if predicted > 0:
-                    ratio = min(max(seconds / predicted, 0.5), 2.0)
-                    self.level *= 1.0 + level_alpha * (ratio - 1.0)
-            self._last_key = None
-            return
         p = self.points.get(tb)
         if provisional:
             if p is None or p.ref_count == 0:
@@ -649,7 +620,7 @@ class _Row:
         # that one at one moment: the level then stands for the other point's cost, and this
         # one's cost over it is what its reference should be (see below). The run of steps
         # at one plan only moves the level.
-        switched = compare and level_alpha > 0 and self._last_key is not None and self._last_key != tb
+        switched = level_alpha > 0 and self._last_key is not None and self._last_key != tb
         if level_alpha > 0:
             self._last_key = tb
         cross = seconds / self.level
@@ -690,7 +661,7 @@ class _Row:
                 # scale: the idle calibration, or a load since gone), and in steady state points
                 # compare by their references: at 32 sequences (seventh session) 3 rows read
                 # 1.5x dearer than 4 for good, depth 2 became a dip, and adaptive sat at depth 1.
-                target = min(max(cross, p.ref / (1.0 + cross_clip)), (1.0 + cross_clip) * p.ref)
+                target = min(max(cross, 0.5 * p.ref), 2.0 * p.ref)
                 p.ref += cross_alpha * (target - p.ref)
             p.update(num_tokens, seconds, alpha)
         p.level = self.level
@@ -716,12 +687,10 @@ class CostModel:
     """Measured step costs: t_draft(B) per draft step and t_verify(B, num_tokens) per pass."""
 
     def __init__(self, alpha: float = 0.03, level_alpha: float = 0.1, cross_alpha: float = _CROSS_ALPHA,
-                 verify_by_rows: bool = True, context_rows_monotone: bool = False,
-                 cross_clip: float = _CROSS_CLIP):
+                 verify_by_rows: bool = True, context_rows_monotone: bool = False):
         self.alpha = alpha
         self.level_alpha = level_alpha
         self.cross_alpha = cross_alpha   # how far one comparison moves a point's reference
-        self.cross_clip = cross_clip     # and how far from it its target may lie
         # A verify pass at a batch size between two measured buckets: read at its rows per
         # sequence in both and interpolated in the batch size (see _verify_at), not as a token
         # count on its own bucket's row.
@@ -847,9 +816,8 @@ class CostModel:
             self._draft[b] = _EmaPoint(batch_size, seconds_per_step)
 
     def observe_draft_total(self, batch_size: int, depth: int, seconds: float, track_level: bool = True,
-                            context_tokens: int | None = None, compare: bool = True, mixed: bool = False) -> None:
-        """All `depth` draft levels of one step took `seconds` (`track_level=False`: calibration;
-        compare, mixed: as _Row.observe takes them)."""
+                            context_tokens: int | None = None) -> None:
+        """All `depth` draft levels of one step took `seconds` (`track_level=False`: calibration)."""
         seconds = self._strip_context(self._ctx_draft, batch_size, context_tokens, seconds, depth)
         row = self._draft_rows.get(_bucket(batch_size))
         if row is None:
@@ -861,8 +829,7 @@ class CostModel:
         # would push the row's level up for every depth. So they only stand in until the
         # engine has run that depth.
         row.observe(depth, seconds, self.alpha, self.level_alpha if track_level else 0.0,
-                    provisional=not track_level, cross_alpha=self.cross_alpha, compare=compare,
-                    mixed=mixed, cross_clip=self.cross_clip)
+                    provisional=not track_level, cross_alpha=self.cross_alpha)
 
     def t_draft_total(self, batch_size: int, depth: int, context_tokens: int | None = None) -> float:
         """Seconds of `depth` draft levels. Measured totals by depth where the engine has run
@@ -879,9 +846,8 @@ class CostModel:
             self._overhead[b] = _EmaPoint(batch_size, seconds)
 
     def observe_verify(self, batch_size: int, num_tokens: int, seconds: float, track_level: bool = True,
-                       context_tokens: int | None = None, compare: bool = True, mixed: bool = False) -> None:
-        """`track_level=False` (calibration): set this bucket only, do not move the row's level.
-        compare, mixed: as _Row.observe takes them."""
+                       context_tokens: int | None = None) -> None:
+        """`track_level=False` (calibration): set this bucket only, do not move the row's level."""
         rows = max(1, round(num_tokens / max(1, batch_size)))
         seconds = self._strip_context(self._ctx_verify, batch_size, context_tokens, seconds, rows=rows)
         row = self._verify.get(_bucket(batch_size))
@@ -899,8 +865,7 @@ class CostModel:
         # token bucket: at 16 sequences depths 2 and 3 (48 and 64 tokens) would share a point,
         # and on the CPU their costs differ by odd/even row effects a bucket's mean blurs.
         row.observe(num_tokens, seconds, self.alpha, self.level_alpha if track_level else 0.0,
-                    is_reference=not track_level, key=rows, cross_alpha=self.cross_alpha,
-                    compare=compare, mixed=mixed, cross_clip=self.cross_clip)
+                    is_reference=not track_level, key=rows, cross_alpha=self.cross_alpha)
 
     def t_draft(self, batch_size: int) -> float:
         if not self._draft:
@@ -1167,8 +1132,6 @@ class AdaptiveController:
         context_rows_monotone: bool = False,
         churn_steps: float = 1.5,
         churn_alpha: float = 0.05,
-        clean_comparisons: bool = True,
-        cross_clip: float = _CROSS_CLIP,
     ):
         if mode not in ("adaptive", "static"):
             raise ValueError(f"controller mode must be 'adaptive' or 'static', got {mode!r}")
@@ -1259,15 +1222,8 @@ class AdaptiveController:
 
         if not 0.0 <= cross_alpha <= 1.0:
             raise ValueError(f"cross_alpha must be in [0, 1], got {cross_alpha}")
-        if cross_clip <= 0:
-            raise ValueError(f"cross_clip must be > 0, got {cross_clip}")
         self.costs = CostModel(cost_alpha, cross_alpha=cross_alpha, verify_by_rows=verify_by_rows,
-                               context_rows_monotone=context_rows_monotone, cross_clip=cross_clip)
-        # Comparisons only between whole passes of one batch (see "Comparisons"): the batch
-        # size of the last step whose passes were whole and timed (None: it was not).
-        self.clean_comparisons = clean_comparisons
-        self._clean_verify: int | None = None
-        self._clean_draft: int | None = None
+                               context_rows_monotone=context_rows_monotone)
         # Global per-position acceptance a_k (index k-1) and sibling acceptance b.
         self.acceptance = [prior_acceptance] * max_depth
         # Early stop (chains): continuation c_k = P(a chain allowed past depth k that reached it
@@ -1931,26 +1887,12 @@ class AdaptiveController:
         self._last_run[(bucket, stats.depth)] = clock
         draft_depth = stats.depth if stats.draft_depth is None else stats.draft_depth
         ctx = stats.context_tokens
-        num_tokens = B * (stats.num_nodes + 1) if stats.num_tokens is None else stats.num_tokens
-        # A comparison (see "Comparisons") is this step's pass against the one before: both
-        # whole (every tree as planned, timed) and of one batch size.
-        # Cut trees make a pass of sequences with different rows, unless every one was cut alike
-        # (one sequence: its pass is whole at its rows).
-        cut = num_tokens != B * (stats.num_nodes + 1) and (
-            num_tokens % B != 0 or stats.seq_depths is None or len(set(stats.seq_depths)) > 1)
-        clean = self.clean_comparisons
         if draft_depth > 0 and stats.draft_s > 0:
             self.costs.observe_draft(B, stats.draft_s / draft_depth)
-            self.costs.observe_draft_total(B, draft_depth, stats.draft_s, context_tokens=ctx,
-                                           compare=not clean or (not cut and self._clean_draft == B),
-                                           mixed=clean and cut)
-        self._clean_draft = B if draft_depth > 0 and stats.draft_s > 0 and not cut else None
+            self.costs.observe_draft_total(B, draft_depth, stats.draft_s, context_tokens=ctx)
         if stats.verify_s > 0:
-            self.costs.observe_verify(B, num_tokens, stats.verify_s, context_tokens=ctx,
-                                      compare=not clean or (not cut and self._clean_verify == B),
-                                      mixed=clean and cut)
-        self._clean_verify = B if stats.verify_s > 0 and not cut else None
-        if stats.verify_s > 0:
+            num_tokens = B * (stats.num_nodes + 1) if stats.num_tokens is None else stats.num_tokens
+            self.costs.observe_verify(B, num_tokens, stats.verify_s, context_tokens=ctx)
             if stats.overhead_s > 0:
                 self.costs.observe_overhead(B, stats.overhead_s)
         total_s = stats.draft_s + stats.verify_s + stats.overhead_s

@@ -1185,57 +1185,6 @@ def test_how_far_one_comparison_moves_a_reference(cross_alpha):
     assert AdaptiveController(cross_alpha=cross_alpha).costs.cross_alpha == cross_alpha
 
 
-def test_a_comparison_is_two_whole_passes_of_one_batch():
-    # Calibrated with 4 rows 10% dear; the plan runs depth 4 (5 rows) at 16 sequences. A
-    # depth-3 pass (4 rows) teaches the 4-row point's reference only as a comparison: right
-    # after a pass of the same batch size, every tree as planned. A pass of 12 sequences read
-    # through bucket 8's row, or one whose trees were cut near max_tokens (padded per rows, it
-    # costs what no point does), moves the level only: in the thirty-sixth session's server
-    # logs such passes moved the 4-row reference at 16 sequences by 3-6% each.
-    cost = lambda b, t: 0.001 * b + 0.0005 * t  # noqa: E731
-
-    def run(depth3_batch=16, cut=0, stall=1.0, cut_all=False, **kw):
-        ctrl = AdaptiveController(max_depth=8, **kw)
-        ctrl.calibrate(lambda b, t: cost(b, t) * (1.1 if t == 4 * b else 1.0), lambda b: 0.001,
-                       batch_sizes=[8, 16], nodes_per_seq=range(9))
-        row = ctrl.costs._verify[16]
-        before = row.points[4].ref
-
-        def step(batch, depth, cut=0, factor=1.0):
-            tokens = batch * (depth + 1) - cut
-            ctrl.observe(StepStats(
-                batch, depth, depth, 0.001 * depth, factor * cost(batch, tokens),
-                num_accepted=[0] * batch, request_ids=[f"r{i}" for i in range(batch)],
-                seq_depths=[depth] * (batch - 1) + [depth - cut] if cut else None,
-                num_tokens=tokens if cut else None))
-        for _ in range(20):
-            step(16, 4)
-        level = row.level
-        if cut_all:   # planned depth 4, every chain cut to 3: four rows each
-            ctrl.observe(StepStats(16, 4, 4, 0.003, cost(16, 64), num_accepted=[0] * 16,
-                                   request_ids=[f"r{i}" for i in range(16)], seq_depths=[3] * 16,
-                                   num_tokens=64, draft_depth=3))
-        else:
-            step(depth3_batch, 3, cut, stall)
-        return row.points[4].ref / before - 1.0, row.level / level - 1.0
-
-    moved, _ = run()
-    assert moved == pytest.approx(0.1 * (1 / 1.1 - 1), rel=0.1)   # cross_alpha of the way to the truth
-    assert run(depth3_batch=12)[0] == 0.0
-    moved, level = run(cut=2)
-    assert moved == 0.0 and level != 0.0
-    # Every tree cut alike (one sequence, or all at one depth) is a whole pass at its rows.
-    assert run(cut_all=True)[0] == pytest.approx(0.1 * (1 / 1.1 - 1), rel=0.1)
-    # The old rule took both as comparisons.
-    assert run(depth3_batch=12, clean_comparisons=False)[0] != 0.0
-    assert run(cut=2, clean_comparisons=False)[0] != 0.0
-    # A stall (one pass at 3x) moves a reference by cross_alpha x cross_clip at most.
-    assert run(stall=3.0)[0] == pytest.approx(0.1 * 0.3, rel=0.01)
-    assert run(stall=3.0, cross_clip=1.0)[0] == pytest.approx(0.1 * 1.0, rel=0.01)
-    with pytest.raises(ValueError, match="cross_clip"):
-        AdaptiveController(cross_clip=0.0)
-
-
 def test_a_new_point_between_measured_ones_takes_its_place_in_the_shape_from_them():
     # Calibrated idle at rows 1, 2, 4 and 9; the loaded server costs 1.8x. The engine's first
     # steps in this bucket run 3 rows (a point of its own) with the level still at 1.0. Its
