@@ -506,6 +506,72 @@ def regimes_markdown(rg: dict, min_steps: int = 10) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pricing(cells: list[tuple[str, int, dict, list[dict]]], bin_tokens: int = 20,
+            min_steps: int = 3) -> dict:
+    """{concurrency: {setting: figures}}: what a controller priced each depth's step at
+    against what the fixed setting of that depth measured, at matched batch and context.
+    Steps: decode-only with every request of the cell decoding, binned by context per
+    sequence (`bin_tokens` wide). Per controller (a setting whose steps log "draft_pred" and
+    "verify_pred") and depth d, in each bin with at least `min_steps` steps of both: the
+    median of the controller's priced draft + verify (and verify alone) over the median of
+    static d's measured (none: depth 0); then the mean of the bins' ratios, weighted by the
+    controller's steps in each. 1.0 where the price was right; one depth dear beside its
+    neighbours is where the plan stays away from it. Figures: draft_verify[d], verify[d],
+    steps[d] (the controller's steps read), and held (those steps by the depth that ran; only
+    steps whose plan came from a fresh evaluation log the prices)."""
+    priced: dict = defaultdict(lambda: defaultdict(list))     # (conc, setting) -> (d, bin) -> [(dv, v)]
+    measured: dict = defaultdict(list)                        # (conc, d, bin) -> [(dv, v)]
+    held: dict = defaultdict(lambda: defaultdict(int))
+    for setting, conc, _res, steps in cells:
+        fixed = 0 if setting == "none" else (int(setting[6:]) if re.fullmatch(r"static\d+", setting) else None)
+        for s in steps:
+            if s["prefill_seqs"] or s["decode"] != conc or s["step_s"] <= 0:
+                continue
+            b = int(s.get("context", 0) / conc // bin_tokens * bin_tokens)
+            if fixed is not None:
+                if s["depth"] == fixed:
+                    measured[conc, fixed, b].append((1e3 * (s["draft_s"] + s["verify_s"]), 1e3 * s["verify_s"]))
+            elif s.get("verify_pred") and s.get("draft_pred"):
+                held[conc, setting][s["depth"]] += 1
+                for d, (x, y) in enumerate(zip(s["draft_pred"], s["verify_pred"])):
+                    if x is not None and y is not None:
+                        priced[conc, setting][d, b].append((x + y, y))
+    out: dict = {}
+    for (conc, setting), by in sorted(priced.items()):
+        acc: dict = defaultdict(lambda: [0.0, 0.0, 0])
+        for (d, b), xs in by.items():
+            ms = measured.get((conc, d, b), [])
+            if len(xs) < min_steps or len(ms) < min_steps:
+                continue
+            a = acc[d]
+            a[0] += len(xs) * statistics.median(x[0] for x in xs) / statistics.median(m[0] for m in ms)
+            a[1] += len(xs) * statistics.median(x[1] for x in xs) / statistics.median(m[1] for m in ms)
+            a[2] += len(xs)
+        out.setdefault(conc, {})[setting] = {
+            "draft_verify": {d: a[0] / a[2] for d, a in sorted(acc.items())},
+            "verify": {d: a[1] / a[2] for d, a in sorted(acc.items())},
+            "steps": {d: a[2] for d, a in sorted(acc.items())},
+            "held": dict(sorted(held[conc, setting].items())),
+        }
+    return out
+
+
+def pricing_markdown(pr: dict) -> str:
+    lines = []
+    for conc, by in sorted(pr.items()):
+        depths = sorted({d for r in by.values() for d in r["steps"]})
+        if not depths:
+            continue
+        lines += ["", f"{conc} requests: priced / measured at matched batch and context (draft + verify; verify)", "",
+                  "| setting | " + " | ".join(f"d={d}" for d in depths) + " | steps by depth run |",
+                  "|---|" + "---|" * len(depths) + "---|"]
+        for setting, r in sorted(by.items()):
+            cells = [f"{r['draft_verify'][d]:.3f}; {r['verify'][d]:.3f}" if d in r["steps"] else "-" for d in depths]
+            run = ", ".join(f"{d}: {n}" for d, n in r["held"].items())
+            lines.append(f"| {setting} | " + " | ".join(cells) + f" | {run} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.step_report", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep_dirs", nargs="+", type=Path)
@@ -527,6 +593,9 @@ def main(argv=None) -> int:
     p.add_argument("--regimes", action="store_true",
                    help="also, per concurrency, the controllers' priced verify ms for every depth, by the "
                         "depth they chose, beside what each depth measured")
+    p.add_argument("--pricing", action="store_true",
+                   help="also, per concurrency, each controller's price of every depth's step over what "
+                        "that fixed depth measured, at matched batch and context per sequence")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     cells = [c for d in args.sweep_dirs for c in cells_of(d)]
@@ -550,6 +619,8 @@ def main(argv=None) -> int:
         print(change_costs_markdown(change_costs(cells)), end="")
     if args.regimes:
         print(regimes_markdown(regimes(cells)), end="")
+    if args.pricing:
+        print(pricing_markdown(pricing(cells)), end="")
     if args.json:
         args.json.write_text(json.dumps([{"setting": s, "concurrency": c, **r} for (s, c), r in rows.items()], indent=1))
     return 0

@@ -742,6 +742,43 @@ def test_step_report_depth_costs_compare_one_depth_across_settings(tmp_path):
     assert "| 3 | static3 | 2 | 4.0 | 20.0 |" in table
 
 
+def test_step_report_pricing_sets_a_controllers_price_beside_the_fixed_depths_steps(tmp_path):
+    """--pricing: per concurrency and controller, each depth's priced draft + verify over what
+    that static depth measured, in bins of context per sequence, the bins weighted by the
+    controller's steps; steps that prefill or miss part of the batch are left out."""
+    from benchmarks import step_report
+
+    rd = tmp_path / "round0"
+    rd.mkdir()
+    lines = []
+
+    def step(t, depth, ctx, draft_s, verify_s, decode=4, prefill=0, **kw):
+        return {"t": t, "depth": depth, "nodes": depth, "decode": decode, "prefill_seqs": 1 if prefill else 0,
+                "prefill_tokens": prefill, "context": ctx * decode, "emitted": decode * (depth + 1),
+                "draft_s": draft_s, "verify_s": verify_s, "step_s": draft_s + verify_s + 0.001, **kw}
+    # static3 measured 10 + 20 ms at 100 tokens a sequence and 12 + 24 ms at 150.
+    (rd / "static3_c4.json").write_text(json.dumps(
+        {"started_at": 100, "finished_at": 200, "metrics": {"output_throughput": 50.0}}))
+    for k in range(3):
+        lines += [step(101 + k, 3, 100, 0.010, 0.020), step(111 + k, 3, 150, 0.012, 0.024)]
+    lines += [step(120, 3, 100, 1.0, 1.0, prefill=30), step(121, 3, 100, 1.0, 1.0, decode=3)]   # left out
+    # The controller priced depth 3 at 1.1x at 100 tokens (3 steps) and exactly at 150 (1 step:
+    # too few), and ran depth 4.
+    (rd / "adaptive_c4.json").write_text(json.dumps(
+        {"started_at": 300, "finished_at": 400, "metrics": {"output_throughput": 50.0}}))
+    pred = lambda d, v: {"draft_pred": [None, None, None, d, 14.0], "verify_pred": [None, None, None, v, 30.0]}  # noqa: E731
+    lines += [step(301 + k, 4, 100, 0.014, 0.030, **pred(11.0, 22.0)) for k in range(3)]
+    lines += [step(310, 4, 150, 0.014, 0.030, **pred(12.0, 24.0))]
+    (tmp_path / "steps_shared_round0.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    pr = step_report.pricing(step_report.cells_of(tmp_path))
+    r = pr[4]["adaptive"]
+    assert r["draft_verify"] == {3: pytest.approx(1.1)} and r["verify"] == {3: pytest.approx(1.1)}
+    assert r["steps"] == {3: 3} and r["held"] == {4: 4}
+    assert step_report.pricing(step_report.cells_of(tmp_path), min_steps=1)[4]["adaptive"]["draft_verify"] == {
+        3: pytest.approx((3 * 1.1 + 1.0) / 4)}
+    assert "| adaptive | 1.100; 1.100 | 4: 4 |" in step_report.pricing_markdown(pr)
+
+
 def test_step_report_change_costs_split_a_depth_by_the_step_before(tmp_path):
     """--change-costs: per concurrency, setting and depth, the decode-only steps near the full
     batch by the depth of the decode-only step before (medians), and "*" pooling the settings
