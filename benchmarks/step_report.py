@@ -109,6 +109,13 @@ def summarise(cells: list[tuple[str, int, dict, list[dict]]]) -> dict[tuple[str,
     return rows
 
 
+def fixed_depth(setting: str) -> int | None:
+    """The depth a fixed setting runs throughout (none: 0, staticN: N); None for a controller."""
+    if setting == "none":
+        return 0
+    return int(setting[6:]) if re.fullmatch(r"static\d+", setting) else None
+
+
 def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -> dict[int, dict]:
     """Per concurrency, the goodput curve over depth as the fixed settings measured it beside
     what the adaptive controller predicted. Only decode-only steps with at least `full` x the
@@ -148,7 +155,7 @@ def curves(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -
                                                  "parts": defaultdict(lambda: [0.0, 0.0, 0.0, 0])})
     for setting, conc, _res, steps in cells:
         a = acc[conc]
-        fixed = 0 if setting == "none" else (int(setting[6:]) if re.fullmatch(r"static\d+", setting) else None)
+        fixed = fixed_depth(setting)
         latest = None   # the fresh evaluation the plan in use came from
         for s in steps:
             if s.get("curve"):
@@ -523,7 +530,7 @@ def pricing(cells: list[tuple[str, int, dict, list[dict]]], bin_tokens: int = 20
     measured: dict = defaultdict(list)                        # (conc, d, bin) -> [(dv, v)]
     held: dict = defaultdict(lambda: defaultdict(int))
     for setting, conc, _res, steps in cells:
-        fixed = 0 if setting == "none" else (int(setting[6:]) if re.fullmatch(r"static\d+", setting) else None)
+        fixed = fixed_depth(setting)
         for s in steps:
             if s["prefill_seqs"] or s["decode"] != conc or s["step_s"] <= 0:
                 continue
