@@ -147,7 +147,7 @@ def _shadow(controller, depth: int) -> None:
 
     def plan(batch_size, request_ids=(), context_tokens=None, depth_caps=None):
         planned(batch_size, request_ids, context_tokens, depth_caps)
-        controller.stop_below = 0.0
+        controller.stop_below = controller.level_below = 0.0
         return Plan(depth, depth)
 
     controller.plan = plan

@@ -17,7 +17,8 @@ class TreeShape:
     dynamic: each level expands the top-`topk` children of the `topk` most probable
     frontier nodes; the best `num_nodes` nodes by path probability are kept (EAGLE-2).
     A chain may stop short of `depth` for a sequence whose path probability fell below
-    `stop_below` (its last node, the one that fell below, is kept)."""
+    `stop_below` (its last node, the one that fell below, is kept), and every chain of the
+    batch stops when the next level would not pay for itself (`level_below`)."""
 
     kind: str
     depth: int
@@ -26,6 +27,11 @@ class TreeShape:
     # Chains: a sequence stops growing once its path probability (the product of the draft's
     # probabilities of its nodes) is below this; 0 = always to `depth`.
     stop_below: float = 0.0
+    # Chains: the next draft level runs only while the chains still growing have path
+    # probabilities over stop_below that sum to at least this (a level is one forward for the
+    # whole batch: worth it when the tokens it may add, about the sum of those probabilities,
+    # beat what it costs in the step's goodput); 0 = no such rule.
+    level_below: float = 0.0
 
 
 class Drafter(Protocol):

@@ -7,7 +7,8 @@ whose last row gives the first level of the tree. Each further level is one more
   verification the draft keeps the KV of the accepted nodes it has fed (no copy, no redo).
   With early stop (TreeShape.stop_below) a sequence leaves the level loop after the first
   node whose path probability (the product of the draft's probabilities of its nodes) is
-  below the threshold; the levels run while any sequence still grows;
+  below the threshold; the levels run while any sequence still grows, and while the
+  growing chains' path probabilities over that threshold sum to TreeShape.level_below;
 - trees: feed every expanded node so far with the ancestor mask (rows are rewritten each
   level, which keeps slot use inside the reserved scratch). After verification the draft's
   tree KV is dropped and the accepted tokens are caught up in the next step's first forward.
@@ -111,7 +112,7 @@ class ModelDrafter:
         for req, end in ends:
             req.num_draft_computed_tokens = end
         parents = [[-1] for _ in active]
-        stop = shape.kind == "chain" and shape.stop_below > 0.0
+        stop = shape.kind == "chain" and (shape.stop_below > 0.0 or shape.level_below > 0.0)
         for depth in range(1, shape.depth + 1):
             if logits is None or not active:
                 break
@@ -119,6 +120,9 @@ class ModelDrafter:
             active = [g for g in active if g.frontier and depth < g.max_depth
                       and not (stop and g.tree.path_probs[-1] < shape.stop_below)]
             if not active:
+                break
+            if stop and shape.level_below > 0.0 and sum(
+                    g.tree.path_probs[-1] - shape.stop_below for g in active) < shape.level_below:
                 break
             inp = ForwardInput()
             parents = []
@@ -142,7 +146,7 @@ class ModelDrafter:
             params = [g.req.params for g, plist in zip(active, parents) for _ in plist]
             tensors = SamplingTensors.from_params(params, logits.device)
             q = target_probs(logits, tensors.temperature, tensors.top_k, tensors.top_p)  # [R, V]
-        if shape.kind == "chain" and q is None and shape.stop_below > 0.0:
+        if shape.kind == "chain" and q is None and (shape.stop_below > 0.0 or shape.level_below > 0.0):
             # The argmax and its probability, for the early stop, read off one softmax: a fused
             # kernel, where max and logsumexp took 2.4x the time at one sequence on the CPU
             # (26 against 11 us a level over the 4,096-token vocabulary; 276 against 215 us

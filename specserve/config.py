@@ -63,11 +63,13 @@ class SpecConfig(_Section):
     # Chains: a sequence's draft stops growing this step once the draft's probability of its
     # path falls below a threshold (the draft is unsure; deeper nodes would mostly be rejected).
     # "auto": the adaptive controller sets the threshold each step from its cost model, as
-    # goodput x the time one more node costs (static mode: off); a number: that threshold
-    # (static depth becomes the cap); "off": every chain is drafted to the plan's depth.
-    # Off by default: on the dev CPU "auto" measured no faster than off (s16b,
-    # benchmarks/RESULTS.md) and 9% slower at one request.
-    early_stop: Literal["auto", "off"] | Annotated[float, Meta(ge=0.0, le=1.0)] = "off"
+    # goodput x the time one more node costs, and stops the batch's next draft level when the
+    # growing chains' probabilities do not pay for it; it does so in batches of up to two
+    # sequences, where on the dev CPU it measured 1.03-1.06x off (benchmarks/RESULTS.md,
+    # thirty-seventh session; static mode: off). A number: that threshold for each chain, in
+    # every batch (a static depth becomes the cap); "off": every chain is drafted to the
+    # plan's depth.
+    early_stop: Literal["auto", "off"] | Annotated[float, Meta(ge=0.0, le=1.0)] = "auto"
     # The step that completes a prompt also verifies a draft after it, so a request's first
     # step can emit more than one token (otherwise its prompt's step yields one). Off by
     # default: on the dev CPU the rows and draft levels it adds to a prompt's step cost about

@@ -1127,6 +1127,7 @@ class AdaptiveController:
         bias_deadband: float = 0.02,
         bias_limits: tuple[float, float] = (0.6, 1.5),
         stop_scale: float = 1.0,
+        stop_max_batch: int = 2,
         plan_per_bucket: bool = True,
         verify_by_rows: bool = True,
         context_rows_monotone: bool = False,
@@ -1211,6 +1212,7 @@ class AdaptiveController:
         if stop_scale < 0:
             raise ValueError(f"stop_scale must be >= 0 (0: no early stop), got {stop_scale}")
         self.stop_scale = stop_scale
+        self.stop_max_batch = stop_max_batch
         if churn_steps < 0 or not 0 < churn_alpha <= 1:
             raise ValueError(f"churn_steps must be >= 0 (0: off) and churn_alpha in (0, 1], "
                              f"got {churn_steps}, {churn_alpha}")
@@ -1230,6 +1232,11 @@ class AdaptiveController:
         # goes on to k + 1); c_0 = 1. reach()[k] = c_0 ... c_k is the share of sequences that
         # draft position k + 1, which prices a plan's verify rows and draft levels.
         self.continuation = [1.0] * max_depth
+        # And per batch bucket, the draft levels: lc_k = P(level k + 1 runs | level k ran and the
+        # plan allowed more), measured once the early stop has run there (before: levels are
+        # priced as if the chains stopped independently). The level rule (stop_thresholds)
+        # ends a level for the whole batch, so levels stop together more often than that.
+        self._level_continuation: dict[int, list[float]] = {}
         self._last_context: int | None = None
         self.sibling_acceptance = prior_sibling_acceptance
         self._requests: dict[Hashable, _RequestAcceptance] = {}
@@ -1278,6 +1285,7 @@ class AdaptiveController:
         self.goodput_estimate = 0.0          # predicted tokens/s of the last plan
         self.expected_tokens_per_pass = 1.0  # predicted tokens per sequence per verify pass
         self.stop_below = 0.0                # the last plan's early-stop path probability (chains)
+        self.level_below = 0.0               # and the sum over the growing chains a level needs
         self.measured_goodput = 0.0          # EMA of observed tokens/s
         self.last_plan = self.current
         self._priced: tuple[list, list, float] = ([], [], 0.0)   # what it priced (fresh_costs)
@@ -1462,7 +1470,7 @@ class AdaptiveController:
         short = [c for c in caps if c < self.max_depth]   # usually none, or the few near their end
         # A chain's position k is drafted and verified only where the early stop has not cut
         # it: reach[k-1] of the sequences (1 everywhere without early stop).
-        reach = self.reach()
+        reach = self.reach() if self._stops_early(B) else [1.0] * K
         cum_reach = [0.0]
         for r in reach:
             cum_reach.append(cum_reach[-1] + r)
@@ -1481,8 +1489,14 @@ class AdaptiveController:
         # pass; the first speculative step replaces the guess with a measurement.
         # Draft levels: level k + 1 runs while any sequence still drafts position k + 1.
         levels = [0.0]
-        for r in reach:
-            levels.append(levels[-1] + 1.0 - (1.0 - r) ** B)
+        measured_levels = self._level_continuation.get(_bucket(B))
+        level_reach = 1.0
+        for k, r in enumerate(reach):
+            if measured_levels is None:
+                levels.append(levels[-1] + 1.0 - (1.0 - r) ** B)
+            else:   # a level runs at least where that share of chains goes on
+                level_reach *= measured_levels[k]
+                levels.append(levels[-1] + max(level_reach, r))
         if self.max_num_nodes > self.max_depth:   # trees: every level runs
             levels = [float(d) for d in range(self.max_depth + 1)]
         if self.costs.has_draft:
@@ -1511,6 +1525,12 @@ class AdaptiveController:
         self._priced = ([parts[d][1] if d in parts else None for d in range(self.max_depth + 1)],
                         [parts[d][2] if d in parts else None for d in range(self.max_depth + 1)], t_step)
         return out
+
+    def _stops_early(self, batch_size: int) -> bool:
+        """Whether this batch's chains may stop early, so that reach() prices its plans and its
+        steps teach the continuation: its own threshold at up to stop_max_batch sequences, or
+        a configured one (stop_scale 0: the controller sets none, [spec] early_stop may)."""
+        return self.stop_scale == 0 or batch_size <= self.stop_max_batch
 
     def reach(self) -> list[float]:
         """[max_depth] the share of sequences whose chain drafts position k + 1 (early stop;
@@ -1624,7 +1644,7 @@ class AdaptiveController:
                     self.num_explorations += 1
         self.goodput_estimate, self.expected_tokens_per_pass = scores.get(chosen, scores[cur])
         self._planned = (chosen, self.goodput_estimate, self.expected_tokens_per_pass)
-        self.stop_below = self.stop_threshold(batch_size, chosen, scores)
+        self.stop_below, self.level_below = self.stop_thresholds(batch_size, chosen, scores)
         return self._record(chosen)
 
     def _exploration(self, batch_size: int, cur: Plan, scores: dict[Plan, tuple[float, float]],
@@ -1652,21 +1672,25 @@ class AdaptiveController:
             return (0, (clock - last) * (2 if abs(d - cur.depth) == 1 else 1), -abs(d - cur.depth), -d)
         return max(candidates, key=due)
 
-    def stop_threshold(self, batch_size: int, plan: Plan, scores: dict[Plan, tuple[float, float]]) -> float:
-        """The path probability below which a chain stops growing this step (early stop).
+    def stop_thresholds(self, batch_size: int, plan: Plan,
+                        scores: dict[Plan, tuple[float, float]]) -> tuple[float, float]:
+        """The early stop's thresholds for this step's chains: (per chain, per level).
 
         One more node on one sequence's chain, at draft path probability p, is accepted with
         about probability p (the embedded draft is calibrated: benchmarks/RESULTS.md). It
         raises the step's goodput G = tokens / time when p > G x dt, dt what that one node
-        adds to the step: a verify row (the verify pass's cost per token near the plan's
-        rows), and a draft level only when no other sequence of the batch goes on to that
-        depth (a level runs for every chain still growing; at one sequence it is all its
-        own, in a batch whose chains mostly go on it is nearly free). Trees and plain steps: 0."""
+        adds to the step. Its own share is a verify row (the verify pass's cost per token near
+        the plan's rows): a chain stops below G x t_row. A draft level is one forward for the
+        whole batch: the next one runs while the growing chains' p - G x t_row sum to at
+        least G x t_level. At one sequence the two make p > G (t_row + t_level); in a batch
+        the level is shared, as the chains that would go on share it. Trees and plain
+        steps: 0, 0."""
         d = plan.depth
-        if d == 0 or plan.num_nodes != d or self.stop_scale == 0 or not self.costs.has_verify:
-            return 0.0
         B = max(1, batch_size)
-        g = scores.get(plan, (0.0, 0.0))[0]
+        if (d == 0 or plan.num_nodes != d or self.stop_scale == 0 or B > self.stop_max_batch
+                or not self.costs.has_verify):
+            return 0.0, 0.0
+        g = self.stop_scale * scores.get(plan, (0.0, 0.0))[0]
         lo = min(d, self.max_depth - 1)
         ctx = self._last_context
         # The secant over two depths: one row's cost read at a single point of the verify row
@@ -1677,10 +1701,8 @@ class AdaptiveController:
         level = 0.0
         if self.costs.has_draft:
             dr = self.costs.t_draft_total_many(B, [lo, lo + 1], ctx)
-            # How often a chain that reached a depth of this plan went on (1 until measured).
-            went_on = sum(self.continuation[1:d]) / (d - 1) if d > 1 else 1.0
-            level = max(0.0, dr[1] - dr[0]) * (1.0 - went_on) ** (B - 1)
-        return min(1.0, max(0.0, self.stop_scale * g * (row + level)))
+            level = max(0.0, dr[1] - dr[0])
+        return min(1.0, max(0.0, g * row)), max(0.0, g * level)
 
     def fresh_curve(self) -> list[float] | None:
         """When the last plan came from a fresh evaluation: the predicted goodput of each depth
@@ -1935,8 +1957,10 @@ class AdaptiveController:
         d = min(stats.depth, self.max_depth)
         is_tree = stats.num_nodes > stats.depth
         # Without early stop every chain runs to its allowed depth: nothing to learn there.
-        if d > 1 and not is_tree and (stats.drafted_depths is not None or min(self.continuation) < 1.0):
+        if (d > 1 and not is_tree and self._stops_early(B)
+                and (stats.drafted_depths is not None or min(self.continuation) < 1.0)):
             self._observe_continuation(stats, d)
+            self._observe_levels(stats, d, bucket)
         if is_tree and stats.path_probs:
             self._observe_tree_paths(stats)
         alt_counts = self._alternate_counts(d, stats.num_nodes, self.acceptance) if is_tree else []
@@ -2025,6 +2049,21 @@ class AdaptiveController:
                 if not went_on:
                     break
 
+    def _observe_levels(self, stats: StepStats, d: int, bucket: int) -> None:
+        """The draft levels this step ran against those its chains were allowed: from level k
+        to k + 1 for k below the deepest allowed, 1 while the batch went on, 0 where it ended."""
+        c = self._level_continuation.get(bucket)
+        if c is None:
+            c = self._level_continuation[bucket] = [1.0] * self.max_depth
+        allowed = max((min(d, x) for x in stats.seq_depths), default=0) if stats.seq_depths else d
+        ran = allowed if stats.draft_depth is None else min(allowed, stats.draft_depth)
+        ga = self.acceptance_alpha
+        for k in range(1, allowed):
+            went_on = 1.0 if k < ran else 0.0
+            c[k] += ga * (went_on - c[k])
+            if not went_on:
+                break
+
     # ---------------------------------------------------------------- metrics
     def snapshot(self) -> dict:
         """Plain values for the metrics module (DESIGN.md §6: depth histogram, acceptance per
@@ -2039,6 +2078,7 @@ class AdaptiveController:
             "goodput_estimate": self.goodput_estimate,
             "expected_tokens_per_pass": self.expected_tokens_per_pass,
             "stop_below": self.stop_below,
+            "level_below": self.level_below,
             "reach_per_position": self.reach(),
             "measured_goodput": self.measured_goodput,
             "num_steps": self.num_steps,

@@ -333,6 +333,8 @@ class LLMEngine:
             record["predicted"] = round(controller.goodput_estimate, 2)
             if plan.stop_below:
                 record["stop"] = round(plan.stop_below, 3)
+            if plan.level_below:
+                record["level_stop"] = round(plan.level_below, 3)
             curve = controller.fresh_curve()
             if curve is not None:
                 record["curve"] = [None if g is None else round(g, 2) for g in curve]

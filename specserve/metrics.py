@@ -100,6 +100,9 @@ def _controller_metrics(snap: dict):
         ("specserve_controller_num_nodes", "num_nodes", "Tree nodes per sequence of the plan in use."),
         ("specserve_controller_stop_threshold", "stop_below",
          "Draft path probability below which a chain stops growing (early stop; 0 = none) in the plan in use."),
+        ("specserve_controller_level_threshold", "level_below",
+         "Sum of the growing chains' path probabilities (each less the stop threshold) below which the "
+         "draft's next level is not run (early stop; 0 = none) in the plan in use."),
     ):
         g = GaugeMetricFamily(name, doc)
         g.add_metric([], snap[key])

@@ -40,6 +40,7 @@ class Plan:
     depth: int = 0  # tree levels; 0 = plain decode
     num_nodes: int = 0  # tree nodes per sequence (root excluded)
     stop_below: float = 0.0  # chains: a sequence stops drafting below this path probability
+    level_below: float = 0.0  # chains: the batch stops drafting when a level would not pay (TreeShape)
 
 
 @dataclass
@@ -173,10 +174,10 @@ class Speculator:
 
     # -- the plan ------------------------------------------------------------------------
 
-    def shape(self, depth: int, stop_below: float = 0.0) -> TreeShape:
+    def shape(self, depth: int, stop_below: float = 0.0, level_below: float = 0.0) -> TreeShape:
         spec = self.config.spec
         return TreeShape(kind=self.tree_kind, depth=depth, branching=tuple(spec.branching), topk=spec.topk,
-                         stop_below=stop_below)
+                         stop_below=stop_below, level_below=level_below)
 
     def num_nodes(self, depth: int) -> int:
         spec = self.config.spec
@@ -206,17 +207,19 @@ class Speculator:
         if self.tree_kind == "fixed":
             depth = min(depth, len(self.config.spec.branching))
         self.totals.last_depth = depth
-        return Plan(depth, self.num_nodes(depth) if num_nodes is None else num_nodes, self._stop_below(depth))
+        return Plan(depth, self.num_nodes(depth) if num_nodes is None else num_nodes, *self._stop_below(depth))
 
-    def _stop_below(self, depth: int) -> float:
-        """[spec] early_stop for this step's chains: the controller's threshold ("auto",
-        adaptive mode), the configured number, or 0 (off, trees, plain steps)."""
+    def _stop_below(self, depth: int) -> tuple[float, float]:
+        """[spec] early_stop for this step's chains, (per chain, per level): the controller's
+        thresholds ("auto", adaptive mode), the configured number for each chain, or 0 (off,
+        trees, plain steps)."""
         setting = self.config.spec.early_stop
         if depth == 0 or self.tree_kind != "chain" or setting == "off":
-            return 0.0
+            return 0.0, 0.0
         if setting == "auto":
-            return self.controller.stop_below if self.controller is not None else 0.0
-        return float(setting)
+            c = self.controller
+            return (c.stop_below, c.level_below) if c is not None else (0.0, 0.0)
+        return float(setting), 0.0
 
     def calibrate(self, max_batch_size: int, context: int = 32,
                   longer_contexts: Sequence[int] = (128, 256)) -> None:
@@ -517,7 +520,7 @@ class Speculator:
         # pending token and the accepted run (at most depth + 1 tokens); after a spell at
         # depth 0, a whole backlog. Such a step's draft time says nothing about a draft step.
         backlog = max((s.request.num_tokens - s.request.num_draft_computed_tokens for s in spec_seqs), default=0)
-        trees = self.drafter.propose(spec_seqs, self.shape(plan.depth, plan.stop_below), prefills)
+        trees = self.drafter.propose(spec_seqs, self.shape(plan.depth, plan.stop_below, plan.level_below), prefills)
         tree_of = {s.request.request_id: t for s, t in zip(spec_seqs, trees) if t.num_nodes > 0}
         self.last_drafted = sum(t.num_nodes for t in tree_of.values())
         t1 = time.perf_counter()

@@ -39,6 +39,8 @@ one object:
                     counts the trees after prompts, which decode leaves out)
     stop            with early stop ([spec] early_stop): the path probability below which
                     the step's chains stopped growing
+    level_stop      with early stop "auto": the sum of the growing chains' path
+                    probabilities (each less stop) below which the draft ran no more levels
 
 Unlike the controller's own step statistics, steps that also prefill are logged with their
 timings: at high load they are most of the target's time. A line is written per step

@@ -171,7 +171,7 @@ def test_with_overrides_errors_name_the_setting():
 
 
 def test_early_stop_takes_auto_off_or_a_probability():
-    assert C.default().spec.early_stop == "off"
+    assert C.default().spec.early_stop == "auto"
     assert C.from_dict({"spec": {"early_stop": 0.25}}).spec.early_stop == 0.25
     assert C.from_dict({"spec": {"early_stop": "off"}}).spec.early_stop == "off"
     for bad in ("sometimes", 1.5, -0.1):

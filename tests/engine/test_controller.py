@@ -1442,15 +1442,17 @@ def test_an_error_every_depth_shares_gives_the_plan_in_use_no_edge():
     assert g[5] < 0.9 and [x for i, x in enumerate(g) if i != 5] == [1.0] * 8
 
 
-def test_the_stop_threshold_is_goodput_times_what_one_more_node_costs():
+def test_the_stop_thresholds_are_goodput_times_what_one_more_node_and_level_cost():
     # A node at draft path probability p adds about p tokens; it pays when p / dt beats the
-    # plan's goodput G, dt what it adds to the step: a verify row, and a draft level where no
-    # other chain of the batch goes on (one sequence: always). One sequence with a flat
-    # verify: dt is about a draft level. 16 sequences whose chains all go on, past the
-    # roofline: a row's 0.16 ms, the level shared.
+    # plan's goodput G, dt what it adds to the step. A chain's own share is a verify row: it
+    # stops below G x t_row. A draft level is one forward for the batch: it runs while the
+    # growing chains' p - G x t_row sum to G x t_level. One sequence with a flat verify: the
+    # row is nearly free and the level is what a node costs; 16 sequences past the roofline:
+    # a row's 0.16 ms each (stop_max_batch raised: by default a batch of more than 2 sequences
+    # gets no thresholds, next test).
     for batch_size, verify in ((1, flat_verify), (16, roofline_verify)):
         rng = random.Random(2)
-        ctrl = calibrated(verify, cheap_draft)
+        ctrl = calibrated(verify, cheap_draft, stop_max_batch=16)
         plans = simulate(ctrl, 200, batch_size, 0.8, verify, cheap_draft, rng)
         plan = plans[-1]
         assert plan.depth > 0
@@ -1459,15 +1461,44 @@ def test_the_stop_threshold_is_goodput_times_what_one_more_node_costs():
         d = plan.depth
         n0, n1 = batch_size * max(1, d), batch_size * (d + 2)
         row = (verify(batch_size, n1) - verify(batch_size, n0)) / (n1 - n0)
-        level = cheap_draft(batch_size) if batch_size == 1 else 0.0
-        assert ctrl.stop_threshold(batch_size, plan, scores) == pytest.approx(
-            scores[plan][0] * (row + level), rel=0.15), batch_size
-    assert ctrl.stop_threshold(16, Plan(0, 0), ctrl.evaluate(16, ids)) == 0.0
-    # Where chains mostly stop, a level is the last growing chain's own again: dearer.
-    going_on = ctrl.stop_threshold(16, plan, scores)
-    ctrl.continuation = [1.0] + [0.1] * (ctrl.max_depth - 1)
-    assert ctrl.stop_threshold(16, plan, scores) > going_on + 0.1
-    assert AdaptiveController(stop_scale=0).stop_threshold(1, Plan(3, 3), {Plan(3, 3): (100.0, 2.0)}) == 0.0
+        chain, level = ctrl.stop_thresholds(batch_size, plan, scores)
+        assert chain == pytest.approx(scores[plan][0] * row, rel=0.15, abs=1e-3), batch_size
+        assert level == pytest.approx(scores[plan][0] * cheap_draft(batch_size), rel=0.25), batch_size
+    assert ctrl.stop_thresholds(16, Plan(0, 0), ctrl.evaluate(16, ids)) == (0.0, 0.0)
+    assert AdaptiveController(stop_scale=0).stop_thresholds(1, Plan(3, 3), {Plan(3, 3): (100.0, 2.0)}) == (0.0, 0.0)
+
+
+def test_the_controller_stops_chains_early_only_in_small_batches():
+    # Its own thresholds (early_stop "auto") pay on the dev CPU at one or two sequences, where
+    # a draft level is the batch's few chains' own, and cost at 8 (benchmarks/RESULTS.md,
+    # thirty-seventh session): above stop_max_batch a step gets none, its plans are priced
+    # with every chain reaching its depth, and its steps do not teach the continuation.
+    ctrl = calibrated(roofline_verify, cheap_draft, probe_interval=0, explore_interval=0, guard_interval=0)
+    one = ["a"]
+    for _ in range(200):   # one sequence whose chain always stops after 2 nodes
+        ctrl.observe(StepStats(batch_size=1, depth=6, num_nodes=6, draft_s=0.002, verify_s=0.01,
+                               num_accepted=[2], request_ids=one, seq_depths=[6], num_tokens=3,
+                               draft_depth=2, drafted_depths=[2]))
+    assert max(ctrl.reach()[2:]) < 0.01
+    plan = Plan(6, 6)
+    scores = ctrl.evaluate(1, one)
+    assert ctrl.stop_thresholds(1, plan, scores)[1] > 0   # a level (a flat verify: rows are free)
+    ids = [f"r{i}" for i in range(16)]
+    assert ctrl.stop_thresholds(16, plan, ctrl.evaluate(16, ids)) == (0.0, 0.0)
+    # At 16 a deeper plan pays for every level and row it allows; at one sequence, where the
+    # chain stops after 2, levels past 2 are not run.
+    ctrl.evaluate(16, ids)
+    draft16, verify16 = (ctrl._priced[i][6] / ctrl._priced[i][2] for i in (0, 1))
+    ctrl.evaluate(1, one)
+    draft1 = ctrl._priced[0][6] / ctrl._priced[0][2]
+    assert draft16 > 2.5 and verify16 > 1.5 and draft1 < 1.1, (draft16, verify16, draft1)
+    # Full chains at 16 leave the continuation learned at one sequence as it was.
+    before = list(ctrl.continuation)
+    for _ in range(50):
+        ctrl.observe(StepStats(batch_size=16, depth=4, num_nodes=4, draft_s=0.004, verify_s=0.02,
+                               num_accepted=[4] * 16, request_ids=ids, drafted_depths=[4] * 16,
+                               seq_depths=[4] * 16, draft_depth=4))
+    assert ctrl.continuation == before
 
 
 def test_chains_that_stop_early_are_priced_at_the_rows_they_reach():
@@ -1475,7 +1506,9 @@ def test_chains_that_stop_early_are_priced_at_the_rows_they_reach():
     # tokens at a time, then unsure): positions past 2 are not drafted, so they count as not
     # accepted, and past 2 a deeper plan adds no verify rows and no draft level. Depths 2..8
     # then predict the same goodput, where pricing every allowed row would make them dearer.
-    ctrl = calibrated(roofline_verify, cheap_draft, probe_interval=0, explore_interval=0, guard_interval=0)
+    # (A configured threshold, [spec] early_stop = 0.x: stop_scale 0, every batch size.)
+    ctrl = calibrated(roofline_verify, cheap_draft, probe_interval=0, explore_interval=0, guard_interval=0,
+                      stop_scale=0)
     ids = [f"r{i}" for i in range(16)]
     for depth in (6, 8, 4) * 60:
         ctrl.observe(StepStats(batch_size=16, depth=depth, num_nodes=depth, draft_s=2 * 0.001,

@@ -592,6 +592,48 @@ def test_early_stop_ends_a_chain_at_its_first_doubtful_node(models, reference):
     assert all(s == 0.0 and t.num_nodes == t.room for s, t in seen)
 
 
+def test_the_level_rule_ends_the_batchs_chains_together(models, reference):
+    # With early_stop "auto" the controller also sets a per-level threshold: the next draft
+    # level runs only while the growing chains' path probabilities, each less the chain
+    # threshold, sum to at least it (a level is one forward for the whole batch). With the
+    # chain threshold at 0, every chain of a step is drafted to the same depth, and that
+    # depth is where the sum first fell short (or the plan's, or the chains' room).
+    def run(level_below):
+        llm = make_llm(models, "weak", depth=6, spec__early_stop="auto")
+        spec = llm.engine.spec
+        calls = []
+        real = spec.drafter.propose
+
+        def propose(seqs, shape, prefills):
+            trees = real(seqs, shape, prefills)
+            calls.append((shape, [t for t in trees if t.num_nodes]))
+            return trees
+
+        spec.drafter.propose = propose
+        spec._stop_below = lambda depth: (0.0, level_below) if depth else (0.0, 0.0)
+        check_stats(llm, run_and_compare(llm, reference))
+        return [(shape, trees) for shape, trees in calls if trees]
+
+    # The sums the levels see when nothing stops; then a threshold in their midst.
+    sums = sorted(sum(t.path_probs[k] for t in trees if t.room > k + 1)
+                  for _, trees in run(1e-12) for k in range(5))
+    level = sums[len(sums) // 2]
+    stopped = went_on = 0
+    for shape, trees in run(level):
+        assert shape.level_below == level
+        levels = max(t.num_nodes for t in trees)
+        for k in range(1, levels + 1):
+            growing = [t for t in trees if t.room > k]   # those a level k + 1 would grow
+            total = sum(t.path_probs[k - 1] for t in growing)
+            if k < levels:
+                assert total >= level and all(t.num_nodes > k for t in growing)
+                went_on += 1
+            elif growing and k < shape.depth:
+                assert total < level
+                stopped += 1
+    assert stopped and went_on, (stopped, went_on)
+
+
 @pytest.mark.parametrize("tree", ["chain", "fixed", "dynamic"])
 def test_a_prompt_speculates_in_the_step_that_completes_it(models, reference, tree):
     """speculate_prompts: the step that completes a prompt also verifies a draft
