@@ -127,7 +127,7 @@ def knob_controller(start: object, knobs: dict[str, object]) -> object:
     shape = dict(mode="adaptive", max_depth=start.max_depth, max_num_nodes=start.max_num_nodes,
                  stop_scale=start.stop_scale)
     try:
-        changed = cls(**shape, **knobs)
+        changed = cls(**{**shape, **knobs})   # a knob may set stop_scale too
     except (TypeError, ValueError) as e:
         raise ValueError(f"knobs {knobs}: {e}") from None
     out = copy.deepcopy(start)

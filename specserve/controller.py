@@ -67,19 +67,25 @@ its first node whose draft path probability (the product of the draft's probabil
 the chain's tokens) is below a threshold ``tau``. A node at path probability ``p`` is
 accepted with probability about ``p`` when the draft is calibrated (the embedded one is:
 ``benchmarks/draft_calibration.py``), and raises the step's goodput ``G = tokens / time``
-when ``p > G * dt``, ``dt`` what the node adds to the step: its verify row (the verify
-cost per token near the plan's rows) and a draft level only where no other chain of the
-batch goes on (``(1 - c) ** (B - 1)`` of one, ``c`` the measured continuation)::
+when ``p > G * dt``, ``dt`` what the node adds to the step. A chain's own share is its
+verify row (the verify cost per token near the plan's rows); a draft level is one forward
+for the whole batch, so it is weighed against every chain that would grow in it: the next
+level runs while the growing chains' ``p_i - tau`` sum to at least ``lambda``::
 
-    tau = G(plan) * (t_row + t_level * (1 - c) ** (B - 1))
+    tau = G(plan) * t_row        lambda = G(plan) * t_level
 
-Positions a chain was allowed but did not draft count as not accepted, so ``a_k`` is what
-the policy gets from position ``k``; ``c_k``, the share of chains that reached depth ``k``
-and went on, gives ``reach_k = prod_{j<=k} c_j``, and a chain plan of depth ``d`` is priced
-at ``B * (1 + sum_{k<d} reach_k)`` verify rows and ``sum_{k<d} (1 - (1 - reach_k) ** B)``
-draft levels (a level runs while any chain still grows). The engine applies the threshold
-with ``[spec] early_stop = "auto"`` (off by default: it measured no faster on the dev CPU,
-benchmarks/RESULTS.md, sixteenth session).
+At one sequence the two make ``p > G * (t_row + t_level)``. Positions a chain was allowed
+but did not draft count as not accepted, so ``a_k`` is what the policy gets from position
+``k``; ``c_k``, the share of chains that reached depth ``k`` and went on, gives ``reach_k =
+prod_{j<=k} c_j``, and a chain plan of depth ``d`` is priced at ``B * (1 + sum_{k<d}
+reach_k)`` verify rows and, per batch bucket, the draft levels measured to run (the share
+of steps whose level ``k`` went on to ``k + 1``; before any: ``sum_{k<d} (1 - (1 -
+reach_k) ** B)``, as if the chains stopped alone). The engine applies both with ``[spec]
+early_stop = "auto"``, the default, and the controller sets them only in batches of up to
+``stop_max_batch`` (2) sequences: on the dev CPU that measured 1.03-1.06x no early stop at
+one and two sequences and 0.97x at eight, where a level is shared by chains that mostly go
+on and the rows it saves are cheap (benchmarks/RESULTS.md, thirty-seventh session). Larger
+batches are priced with every chain reaching its depth and do not teach the continuation.
 
 **Cost model.** ``t_verify(B, T)`` (seconds per verify pass over ``T`` tokens) and
 ``t_draft(B, d)`` (seconds of ``d`` draft levels; not ``d`` times one level: the first also
