@@ -2,6 +2,7 @@
 
     python -m benchmarks.paired [--concurrency 32] [--settings adaptive static3 static4]
                                 [--rounds 6] [--out F.json] [--plot F.png]
+                                [--knobs NAME:key=value[,...] ...]
 
 Why one engine: on the dev CPU a process keeps a pace of its own. Six fresh processes running
 the same load at static depth 3 (32 sequences, 128 prompts of 100 tokens, 64 new tokens each)
@@ -13,6 +14,13 @@ no server: a server's event loop sends an SSE event per request per step, which 
 step dearer and deep plans relatively cheaper, so the best depth here is not the sweep's (at
 32 requests on the dev CPU in one session: static depth 3-4 here, 5 over HTTP). It tells whether a change to
 the controller helps the engine, quickly; the sweep is the verdict.
+
+Settings: ``adaptive`` (the engine's controller), ``staticD`` (chain depth D), ``staticD@P``
+(depth D as a cap, each chain stopping after its first node whose draft path probability is
+below P: a hand-set ``[spec] early_stop``), and NAME of a ``--knobs NAME:key=value`` (a copy
+of the start-up controller with those constructor arguments changed, made on its first run
+and learning from its own runs only, as ``benchmarks/serve_knobs.py`` makes them for a sweep:
+``--knobs noearly:stop_scale=0`` is adaptive without its early stop).
 
 A static setting runs with the controller detached (the engine plans the configured depth,
 as in static mode, and nothing reaches the controller), so the adaptive runs learn only from
@@ -85,36 +93,70 @@ def paired_ratio(a: list[float], b: list[float]) -> tuple[float, float | None]:
 
 
 class Detach:
-    """Within the block, the engine plans a static depth with the controller detached."""
+    """Within the block, the engine plans a static depth with the controller detached (and,
+    given `stop`, each chain stops early below that path probability)."""
 
-    def __init__(self, llm: LLM, depth: int):
-        self.spec, self.depth = llm.engine.spec, depth
+    def __init__(self, llm: LLM, depth: int, stop: float | None = None):
+        self.spec, self.depth, self.stop = llm.engine.spec, depth, stop
 
     def __enter__(self):
+        spec = self.spec.config.spec
         self.controller, self.spec.controller = self.spec.controller, None
-        self.saved, self.spec.config.spec.depth = self.spec.config.spec.depth, self.depth
+        self.saved = spec.depth, spec.early_stop
+        spec.depth = self.depth
+        if self.stop is not None:
+            spec.early_stop = self.stop
         return self
 
     def __exit__(self, *exc):
         self.spec.controller = self.controller
-        self.spec.config.spec.depth = self.saved
+        self.spec.config.spec.depth, self.spec.config.spec.early_stop = self.saved
         return False
 
 
-def parse_setting(name: str) -> int | None:
-    """'adaptive' -> None, 'staticN' -> N."""
+class Attach:
+    """Within the block, `controller` plans and learns in the engine's controller's place."""
+
+    def __init__(self, llm: LLM, controller):
+        self.spec, self.controller = llm.engine.spec, controller
+
+    def __enter__(self):
+        self.saved, self.spec.controller = self.spec.controller, self.controller
+        return self
+
+    def __exit__(self, *exc):
+        self.spec.controller = self.saved
+        return False
+
+
+def parse_setting(name: str, knobs: dict | None = None) -> int | tuple[int, float] | str | None:
+    """'adaptive' -> None, 'staticN' -> N, 'staticN@P' -> (N, P), a knob setting's name -> the name."""
     if name == "adaptive":
         return None
-    if name.startswith("static") and name[6:].isdigit():
-        return int(name[6:])
-    raise ValueError(f"unknown setting {name!r}: 'adaptive' or 'static<depth>'")
+    if knobs and name in knobs:
+        return name
+    depth, at, stop = name.partition("@")
+    if depth.startswith("static") and depth[6:].isdigit():
+        if not at:
+            return int(depth[6:])
+        try:
+            p = float(stop)
+        except ValueError:
+            p = -1.0
+        if 0.0 < p <= 1.0:
+            return int(depth[6:]), p
+    raise ValueError(f"unknown setting {name!r}: 'adaptive', 'static<depth>', 'static<depth>@<path probability "
+                     "in (0, 1]>' or the name of a --knobs setting")
 
 
 def run(llm: LLM, settings: list[str], rounds: int, prompts: list[list[int]], max_tokens: int,
-        concurrency: int, step_log: Path, progress: bool = True, warmup: bool = True) -> dict:
-    depths = {s: parse_setting(s) for s in settings}
-    if any(d is None for d in depths.values()) and llm.engine.spec.controller is None:
-        raise ValueError("the 'adaptive' setting needs an engine in adaptive mode with a draft")
+        concurrency: int, step_log: Path, progress: bool = True, warmup: bool = True,
+        knobs: dict[str, dict] | None = None) -> dict:
+    depths = {s: parse_setting(s, knobs) for s in settings}
+    startup = llm.engine.spec.controller
+    if any(d is None or isinstance(d, str) for d in depths.values()) and startup is None:
+        raise ValueError("the 'adaptive' and knob settings need an engine in adaptive mode with a draft")
+    made = {}   # knob controllers, each copied from the start-up one on its first run
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     if warmup:   # the first run of a load is slower whatever the setting (adaptive: as a server's first traffic)
         llm.generate(prompts, params)
@@ -126,10 +168,19 @@ def run(llm: LLM, settings: list[str], rounds: int, prompts: list[list[int]], ma
         for s in settings[k:] + settings[:k]:
             first = sum(1 for _ in step_log.open())
             start = time.perf_counter()
-            if depths[s] is None:
+            d = depths[s]
+            if d is None:
                 outs = llm.generate(prompts, params)
+            elif isinstance(d, str):
+                if d not in made:
+                    from benchmarks.serve_knobs import knob_controller
+
+                    made[d] = knob_controller(startup, knobs[d])
+                with Attach(llm, made[d]):
+                    outs = llm.generate(prompts, params)
             else:
-                with Detach(llm, depths[s]):
+                depth, stop = d if isinstance(d, tuple) else (d, None)
+                with Detach(llm, depth, stop):
                     outs = llm.generate(prompts, params)
             elapsed = time.perf_counter() - start
             tokens_per_s[s].append(sum(len(o.token_ids) for o in outs) / elapsed)
@@ -138,7 +189,7 @@ def run(llm: LLM, settings: list[str], rounds: int, prompts: list[list[int]], ma
             bar.update()
     bar.close()
     out = {"settings": {}, "concurrency": concurrency, "rounds": rounds, "prompts": len(prompts),
-           "max_tokens": max_tokens}
+           "max_tokens": max_tokens, "knobs": knobs or {}}
     for s in settings:
         entry = {"tokens_per_s": tokens_per_s[s], "mean_tokens_per_s": sum(tokens_per_s[s]) / rounds,
                  "steps": summarise(records[s], concurrency)}
@@ -206,10 +257,15 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     ap.add_argument("--plot", default=None, help="draw tokens/s per round into this PNG")
+    ap.add_argument("--knobs", action="append", default=[], metavar="NAME:key=value[,...]",
+                    help="a setting NAME: the start-up controller with these AdaptiveController arguments")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    from benchmarks.serve_knobs import parse_knobs
+
+    knobs = parse_knobs(args.knobs) if args.knobs else {}
     for s in args.settings:
-        parse_setting(s)
+        parse_setting(s, knobs)
     overrides = {"max_num_seqs": args.concurrency, "cpu_threads": args.cpu_threads}
     if args.target:
         overrides["target"] = args.target
@@ -221,7 +277,7 @@ def main(argv=None) -> int:
         llm = LLM(progress=not args.no_progress, step_log=str(log), **overrides)
         prompts = held_out_prompts(args.prompts or 4 * args.concurrency, args.prompt_tokens, llm.tokenizer)
         res = run(llm, args.settings, args.rounds, prompts, args.max_tokens, args.concurrency, log,
-                  progress=not args.no_progress)
+                  progress=not args.no_progress, knobs=knobs)
     res["commit"] = git_commit()
     emit(res, report(res), args.out, args.plot, plot)
     return 0

@@ -1132,7 +1132,7 @@ class AdaptiveController:
         bias_noise_sd: float = 0.5,
         bias_deadband: float = 0.02,
         bias_limits: tuple[float, float] = (0.6, 1.5),
-        stop_scale: float = 1.0,
+        stop_scale: float = 0.0,
         stop_max_batch: int = 2,
         plan_per_bucket: bool = True,
         verify_by_rows: bool = True,
@@ -1292,6 +1292,7 @@ class AdaptiveController:
         self.expected_tokens_per_pass = 1.0  # predicted tokens per sequence per verify pass
         self.stop_below = 0.0                # the last plan's early-stop path probability (chains)
         self.level_below = 0.0               # and the sum over the growing chains a level needs
+        self._thresholds_for: Plan | None = None
         self.measured_goodput = 0.0          # EMA of observed tokens/s
         self.last_plan = self.current
         self._priced: tuple[list, list, float] = ([], [], 0.0)   # what it priced (fresh_costs)
@@ -1532,6 +1533,11 @@ class AdaptiveController:
                         [parts[d][2] if d in parts else None for d in range(self.max_depth + 1)], t_step)
         return out
 
+    def _own_stops(self, batch_size: int) -> bool:
+        """Whether this batch's chains stop on the controller's own thresholds."""
+        return (self.stop_scale > 0 and batch_size <= self.stop_max_batch
+                and self.max_num_nodes == self.max_depth)
+
     def _stops_early(self, batch_size: int) -> bool:
         """Whether this batch's chains may stop early, so that reach() prices its plans and its
         steps teach the continuation: its own threshold at up to stop_max_batch sequences, or
@@ -1596,12 +1602,14 @@ class AdaptiveController:
 
         # Re-evaluated when the batch changes and every replan_interval steps in between: a
         # plan takes ~0.1 ms of Python, 1-2% of a one-request step on the CPU, and the
-        # estimates it reads move by an EMA step per engine step.
+        # estimates it reads move by an EMA step per engine step. Four times as long where the
+        # chains stop on their own (the plan then only says whether to speculate, and what
+        # goodput the thresholds weigh a node against).
         batch_key = (batch_size, tuple(request_ids),
                      None if depth_caps is None else tuple(min(c, self.max_depth) for c in depth_caps))
         self._since_evaluated += 1
         fresh = (self._scores is None or batch_key != self._scores_key
-                 or self._since_evaluated >= self.replan_interval)
+                 or self._since_evaluated >= self.replan_interval * (4 if self._own_stops(batch_size) else 1))
         self._last_context = context_tokens
         if fresh:
             scores = self.evaluate(batch_size, request_ids, context_tokens, depth_caps)
@@ -1615,6 +1623,10 @@ class AdaptiveController:
             scores = self._scores
             cur = self.current
         cur = self._guard(batch_size, cur, scores)
+        if cur.depth > 0 and self._own_stops(batch_size):
+            # The chains' own stops decide how deep each goes: a node is drafted while it pays
+            # (stop_thresholds), so a shallower cap would only cut off nodes that do.
+            cur = Plan(self.max_depth, self.max_depth)
         self.current = cur
         if self.plan_per_bucket:
             self._held[_bucket(batch_size)] = cur
@@ -1637,7 +1649,8 @@ class AdaptiveController:
             self.num_probes += 1
             for k in range(depth):
                 self._steps_since_seen[k] = 0   # do not probe again before it reports
-        elif cur.depth > 0 and self.explore_interval > 0:
+        elif cur.depth > 0 and self.explore_interval > 0 and not self._own_stops(batch_size):
+            # (Where the chains stop on their own, no depth is being chosen: nothing to explore.)
             self._explore_countdown -= 1
             if self._explore_countdown <= 0:
                 self._explore_countdown = self.explore_interval
@@ -1650,7 +1663,9 @@ class AdaptiveController:
                     self.num_explorations += 1
         self.goodput_estimate, self.expected_tokens_per_pass = scores.get(chosen, scores[cur])
         self._planned = (chosen, self.goodput_estimate, self.expected_tokens_per_pass)
-        self.stop_below, self.level_below = self.stop_thresholds(batch_size, chosen, scores)
+        if fresh or chosen != self._thresholds_for:   # (they read the costs: ~50 us)
+            self.stop_below, self.level_below = self.stop_thresholds(batch_size, chosen, scores)
+            self._thresholds_for = chosen
         return self._record(chosen)
 
     def _exploration(self, batch_size: int, cur: Plan, scores: dict[Plan, tuple[float, float]],
@@ -1706,8 +1721,12 @@ class AdaptiveController:
         row = max(0.0, v[1] - v[0]) / (n1 - n0)
         level = 0.0
         if self.costs.has_draft:
-            dr = self.costs.t_draft_total_many(B, [lo, lo + 1], ctx)
-            level = max(0.0, dr[1] - dr[0])
+            # A level's cost over the plan's levels past the first (which also catches the
+            # draft up): the threshold weighs each of them, and at the cap (a plan of
+            # max_depth) a secant at the last level reads a curve flattened there.
+            hi = max(2, d)
+            dr = self.costs.t_draft_total_many(B, [1, hi], ctx)
+            level = max(0.0, dr[1] - dr[0]) / (hi - 1)
         return min(1.0, max(0.0, g * row)), max(0.0, g * level)
 
     def fresh_curve(self) -> list[float] | None:

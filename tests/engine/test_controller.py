@@ -1452,7 +1452,7 @@ def test_the_stop_thresholds_are_goodput_times_what_one_more_node_and_level_cost
     # gets no thresholds, next test).
     for batch_size, verify in ((1, flat_verify), (16, roofline_verify)):
         rng = random.Random(2)
-        ctrl = calibrated(verify, cheap_draft, stop_max_batch=16)
+        ctrl = calibrated(verify, cheap_draft, stop_scale=1.0, stop_max_batch=16)
         plans = simulate(ctrl, 200, batch_size, 0.8, verify, cheap_draft, rng)
         plan = plans[-1]
         assert plan.depth > 0
@@ -1463,9 +1463,13 @@ def test_the_stop_thresholds_are_goodput_times_what_one_more_node_and_level_cost
         row = (verify(batch_size, n1) - verify(batch_size, n0)) / (n1 - n0)
         chain, level = ctrl.stop_thresholds(batch_size, plan, scores)
         assert chain == pytest.approx(scores[plan][0] * row, rel=0.15, abs=1e-3), batch_size
-        assert level == pytest.approx(scores[plan][0] * cheap_draft(batch_size), rel=0.25), batch_size
+        # A level: the model's draft time per level over the plan's levels past the first.
+        hi = max(2, d)
+        dr = ctrl.costs.t_draft_total_many(batch_size, [1, hi])
+        assert level == pytest.approx(scores[plan][0] * (dr[1] - dr[0]) / (hi - 1), rel=1e-6), batch_size
+        assert level > 0
     assert ctrl.stop_thresholds(16, Plan(0, 0), ctrl.evaluate(16, ids)) == (0.0, 0.0)
-    assert AdaptiveController(stop_scale=0).stop_thresholds(1, Plan(3, 3), {Plan(3, 3): (100.0, 2.0)}) == (0.0, 0.0)
+    assert AdaptiveController().stop_thresholds(1, Plan(3, 3), {Plan(3, 3): (100.0, 2.0)}) == (0.0, 0.0)
 
 
 def test_the_controller_stops_chains_early_only_in_small_batches():
@@ -1473,7 +1477,8 @@ def test_the_controller_stops_chains_early_only_in_small_batches():
     # a draft level is the batch's few chains' own, and cost at 8 (benchmarks/RESULTS.md,
     # thirty-seventh session): above stop_max_batch a step gets none, its plans are priced
     # with every chain reaching its depth, and its steps do not teach the continuation.
-    ctrl = calibrated(roofline_verify, cheap_draft, probe_interval=0, explore_interval=0, guard_interval=0)
+    ctrl = calibrated(roofline_verify, cheap_draft, probe_interval=0, explore_interval=0, guard_interval=0,
+                      stop_scale=1.0)
     one = ["a"]
     for _ in range(200):   # one sequence whose chain always stops after 2 nodes
         ctrl.observe(StepStats(batch_size=1, depth=6, num_nodes=6, draft_s=0.002, verify_s=0.01,
@@ -1492,6 +1497,16 @@ def test_the_controller_stops_chains_early_only_in_small_batches():
     ctrl.evaluate(1, one)
     draft1 = ctrl._priced[0][6] / ctrl._priced[0][2]
     assert draft16 > 2.5 and verify16 > 1.5 and draft1 < 1.1, (draft16, verify16, draft1)
+    # Where its chains stop on its thresholds, the plan is the cap (each chain goes as deep as
+    # its nodes pay) and nothing is explored; in a batch of 4, a depth is chosen as before.
+    for batch_size, capped in ((1, True), (2, True), (4, False)):
+        c = calibrated(flat_verify, cheap_draft, stop_scale=1.0)
+        plans = simulate(c, 120, batch_size, 0.6, flat_verify, cheap_draft, random.Random(5))
+        depths = {p.depth for p in plans[40:]}
+        if capped:
+            assert depths == {c.max_depth} and c.num_explorations == 0, (batch_size, depths)
+        else:
+            assert len(depths) > 1 and c.num_explorations > 0, (batch_size, depths)
     # Full chains at 16 leave the continuation learned at one sequence as it was.
     before = list(ctrl.continuation)
     for _ in range(50):

@@ -10,7 +10,9 @@ from specserve import LLM
 
 def test_settings_and_ratios():
     assert parse_setting("adaptive") is None and parse_setting("static5") == 5
-    for bad in ("static", "staticx", "none", "Adaptive"):
+    assert parse_setting("static8@0.3") == (8, 0.3)
+    assert parse_setting("calm", {"calm": {"stop_scale": 0}}) == "calm"
+    for bad in ("static", "staticx", "none", "Adaptive", "static8@", "static8@0", "static8@1.5", "static8@x", "calm"):
         with pytest.raises(ValueError, match="unknown setting"):
             parse_setting(bad)
     mean, se = paired_ratio([2.0, 4.0, 3.0], [1.0, 2.0, 2.0])
@@ -51,6 +53,39 @@ def test_runs_count_every_token_and_static_runs_leave_the_controller_alone(tmp_p
     assert "| adaptive |" in text and "| static2 |" in text
     assert plot(res3, tmp_path / "p.png").stat().st_size > 0
     json.dumps(res3)
+
+
+def test_knob_and_hand_set_early_stop_settings_run_in_the_same_engine(tmp_path):
+    # A knob setting plans with its own copy of the start-up controller (which it leaves as it
+    # was); staticD@P drafts chains of at most D, each stopping below P, and puts the
+    # configured early stop back.
+    log = tmp_path / "steps.jsonl"
+    log.touch()
+    llm = LLM(progress=False, max_num_seqs=2, cpu_threads=1, step_log=str(log))
+    prompts = [llm.tokenizer.encode(t)[:12] for t in ("The cat sat on", "A quick brown fox", "Once upon a", "In the")]
+    spec = llm.engine.spec
+    start, before, stop0 = spec.controller, spec.controller.num_steps, spec.config.spec.early_stop
+    seen = []
+    real = spec.drafter.propose
+
+    def propose(seqs, shape, prefills):
+        trees = real(seqs, shape, prefills)
+        seen.extend((shape.stop_below, t) for t in trees if t.num_nodes)
+        return trees
+
+    spec.drafter.propose = propose
+    res = run(llm, ["calm", "static3@0.9"], 2, prompts, 8, 2, log, progress=False, warmup=False,
+              knobs={"calm": {"stop_scale": 0, "explore_interval": 16}})
+    assert start.num_steps == before and spec.controller is start and spec.config.spec.early_stop == stop0
+    assert res["knobs"] == {"calm": {"stop_scale": 0, "explore_interval": 16}}
+    for name in ("calm", "static3@0.9"):
+        steps = res["settings"][name]["steps"]
+        assert sum(steps[k]["tokens"] for k in ("full", "tail", "mixed")) == 2 * 4 * 8
+    assert set(res["settings"]["static3@0.9"]["steps"]["depths"]) == {3}
+    hand = [t for stop, t in seen if stop == 0.9]
+    assert hand and all(t.num_nodes <= 3 for t in hand)
+    assert any(t.num_nodes < min(3, t.room) for t in hand), "no chain stopped below 0.9"
+    assert all(stop == 0.0 for stop, t in seen if stop != 0.9)   # calm: no early stop of its own
 
 
 def test_summarise_splits_steps_by_kind():

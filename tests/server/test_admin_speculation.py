@@ -224,6 +224,9 @@ def test_knob_controllers_take_turns_with_adaptive_in_one_server(admin_server, r
             serve_knobs.parse_knobs([bad])
     with pytest.raises(ValueError, match="bias_half_life"):
         serve_knobs.knob_controller(start, {"bias_half_life": -1})
+    # A knob may set what the start-up controller's shape also carries (stop_scale: no early stop).
+    assert serve_knobs.knob_controller(start, {"stop_scale": 0}).stop_scale == 0
+    assert start.stop_scale == serve_knobs.knob_controller(start, {}).stop_scale
 
 
 def test_a_shadow_knob_plans_as_usual_and_runs_one_depth():
