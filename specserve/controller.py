@@ -75,17 +75,23 @@ level runs while the growing chains' ``p_i - tau`` sum to at least ``lambda``::
     tau = G(plan) * t_row        lambda = G(plan) * t_level
 
 At one sequence the two make ``p > G * (t_row + t_level)``. Positions a chain was allowed
-but did not draft count as not accepted, so ``a_k`` is what the policy gets from position
-``k``; ``c_k``, the share of chains that reached depth ``k`` and went on, gives ``reach_k =
-prod_{j<=k} c_j``, and a chain plan of depth ``d`` is priced at ``B * (1 + sum_{k<d}
+but did not draft are not observed, so ``a_k`` is the acceptance where drafted; ``c_k``, the
+share of chains that reached depth ``k`` and went on, gives ``reach_k = prod_{j<=k} c_j``, a
+position commits ``a_k * c_{k-1}`` of the chains that reached it, and a chain plan of depth
+``d`` is priced at ``B * (1 + sum_{k<d}
 reach_k)`` verify rows and, per batch bucket, the draft levels measured to run (the share
 of steps whose level ``k`` went on to ``k + 1``; before any: ``sum_{k<d} (1 - (1 -
 reach_k) ** B)``, as if the chains stopped alone). The engine applies both with ``[spec]
 early_stop = "auto"``, the default, and the controller sets them only in batches of up to
-``stop_max_batch`` (2) sequences: on the dev CPU that measured 1.03-1.06x no early stop at
-one and two sequences and 0.97x at eight, where a level is shared by chains that mostly go
-on and the rows it saves are cheap (benchmarks/RESULTS.md, thirty-seventh session). Larger
-batches are priced with every chain reaching its depth and do not teach the continuation.
+``stop_max_batch`` (2) sequences: on the dev CPU early stop paid there and cost 2-3% at
+eight, where a level is shared by chains that mostly go on and the rows it saves are cheap
+(benchmarks/RESULTS.md, thirty-seventh session). Larger batches are priced with every chain
+reaching its depth and do not teach the continuation. Where the thresholds are its own, the
+plan is the cap, ``max_depth`` (or plain decoding, where that wins): a node is drafted while
+it pays, by the thresholds' own rule, so a shallower cap would only cut nodes that do; and
+there is no depth to explore. With its depth chosen as for larger batches, adaptive with
+early stop ran 0.98x itself without at one sequence where a static depth 8 with a hand-set
+threshold of 0.3 ran 1.05x static depth 6; with the cap, 1.03x and 1.01x static depth 6.
 
 **Cost model.** ``t_verify(B, T)`` (seconds per verify pass over ``T`` tokens) and
 ``t_draft(B, d)`` (seconds of ``d`` draft levels; not ``d`` times one level: the first also
@@ -1447,6 +1453,9 @@ class AdaptiveController:
         # runs every engine step, and per request and position it is most of the controller's
         # time (the sums over requests are taken in the same order as one loop per position).
         trees = self.max_num_nodes > K
+        # Where chains stop early, position k + 1 commits only where it was drafted: its
+        # acceptance (measured where drafted) times the continuation to it.
+        cont = self.continuation if self._stops_early(B) and not trees else None
         gained = [0.0] * K
         miss = [0.0] * K
         s = self.request_shrinkage
@@ -1456,6 +1465,8 @@ class AdaptiveController:
             prefix = 1.0
             for k in range(min(cap, K)):
                 a = g[k] if r is None else (r.count[k] * r.ema[k] + s * g[k]) / (r.count[k] + s)
+                if cont is not None:
+                    a *= cont[k]
                 if trees:
                     miss[k] += prefix * (1.0 - a)
                 prefix *= a
@@ -2001,14 +2012,18 @@ class AdaptiveController:
             r.tokens += n_acc + 1
             d_i = min(d, stats.seq_depths[i]) if stats.seq_depths else d
             drafted = d_i if stats.drafted_depths is None else min(d_i, stats.drafted_depths[i])
-            for k in range(min(n_acc + 1, d_i)):   # position k+1
+            # A position the early stop left undrafted is not observed: what a chain accepts
+            # where it was drafted is the draft's, and how often it is drafted there is the
+            # continuation's (evaluate multiplies the two). Counted as not accepted, it held
+            # deep positions at a fraction of their acceptance after a spell of one or two
+            # sequences, and larger batches, whose chains are not stopped, read them so.
+            for k in range(min(n_acc + 1, d_i, drafted)):   # position k+1
                 if ranks is not None and k < n_acc and ranks[k] > 0:
                     spine = 0.0   # an alternate won at this depth: the first choice was rejected
                     if alt_counts and alt_counts[k] > 0:
                         self.sibling_acceptance += ga * (1.0 - self.sibling_acceptance)
                 else:
-                    # A position the early stop left undrafted counts as not accepted.
-                    spine = 1.0 if k < n_acc and k < drafted else 0.0
+                    spine = 1.0 if k < n_acc else 0.0
                     # Stopped here although alternates existed: they all failed. (Without
                     # ranks an alternate's success counts as the spine's.)
                     if spine == 0.0 and alt_counts and alt_counts[k] > 0:
@@ -2020,7 +2035,7 @@ class AdaptiveController:
                 if spine == 0.0:
                     break
             # A request's positions without fresh data lose weight, back toward the global.
-            for k in range(min(n_acc + 1, d_i), self.max_depth):
+            for k in range(min(n_acc + 1, d_i, drafted), self.max_depth):
                 r.count[k] *= 1.0 - self.request_stale_decay
         self._update_global_acceptance(hits, seen, carried)
         # Positions the step verified have fresh data; the others drift toward the position

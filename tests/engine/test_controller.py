@@ -1480,11 +1480,15 @@ def test_the_controller_stops_chains_early_only_in_small_batches():
     ctrl = calibrated(roofline_verify, cheap_draft, probe_interval=0, explore_interval=0, guard_interval=0,
                       stop_scale=1.0)
     one = ["a"]
+    prior = ctrl.global_acceptance()
     for _ in range(200):   # one sequence whose chain always stops after 2 nodes
         ctrl.observe(StepStats(batch_size=1, depth=6, num_nodes=6, draft_s=0.002, verify_s=0.01,
                                num_accepted=[2], request_ids=one, seq_depths=[6], num_tokens=3,
                                draft_depth=2, drafted_depths=[2]))
     assert max(ctrl.reach()[2:]) < 0.01
+    # Positions 3 on were never drafted: not observed (so read from the positions above, as
+    # any position without data), not rejected, when a batch whose chains run whole asks.
+    assert min(ctrl.global_acceptance()[2:]) >= min(prior)
     plan = Plan(6, 6)
     scores = ctrl.evaluate(1, one)
     assert ctrl.stop_thresholds(1, plan, scores)[1] > 0   # a level (a flat verify: rows are free)
@@ -1532,7 +1536,9 @@ def test_chains_that_stop_early_are_priced_at_the_rows_they_reach():
                                draft_depth=2, drafted_depths=[2] * 16))
     reach = ctrl.reach()
     assert reach[:2] == [1.0, 1.0] and max(reach[2:]) < 0.01
-    assert ctrl.acceptance[2] < 0.05   # position 3: never drafted, never accepted
+    # Position 3: never drafted, so not observed (its acceptance is what it was), and priced
+    # at nothing: no chain gets there.
+    assert ctrl.acceptance[2] > 0.5 and ctrl.acceptance[2] * ctrl.continuation[2] < 0.01
     scores = ctrl.evaluate(16, ids)
     g2 = scores[Plan(2, 2)][0]
     for d in range(3, 9):
