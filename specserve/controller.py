@@ -83,7 +83,7 @@ reach_k)`` verify rows and, per batch bucket, the draft levels measured to run (
 of steps whose level ``k`` went on to ``k + 1``; before any: ``sum_{k<d} (1 - (1 -
 reach_k) ** B)``, as if the chains stopped alone). The engine applies both with ``[spec]
 early_stop = "auto"``, the default, and the controller sets them only in batches of up to
-``stop_max_batch`` (2) sequences: on the dev CPU early stop paid there and cost 2-3% at
+``stop_max_batch`` (2) sequences: on the dev CPU early stop paid there and cost about 3.5% at
 eight, where a level is shared by chains that mostly go on and the rows it saves are cheap
 (benchmarks/RESULTS.md, thirty-seventh session). Larger batches are priced with every chain
 reaching its depth and do not teach the continuation. Where the thresholds are its own, the
