@@ -65,10 +65,10 @@ class SpecConfig(_Section):
     # "auto": the adaptive controller sets the threshold each step from its cost model, as
     # goodput x the time one more node costs, and stops the batch's next draft level when the
     # growing chains' probabilities do not pay for it; it does so in batches of up to two
-    # sequences, with max_depth as the cap, where on the dev CPU it measured 1.02-1.03x
-    # off (benchmarks/RESULTS.md, thirty-seventh session; static mode: off). A number: that threshold for each chain, in
-    # every batch (a static depth becomes the cap); "off": every chain is drafted to the
-    # plan's depth.
+    # sequences, with max_depth as the cap, where on the dev CPU it measured 1.02-1.03x off
+    # (benchmarks/RESULTS.md, thirty-seventh session; static mode: off). A number: that
+    # threshold for each chain, in every batch (a static depth becomes the cap); "off": every
+    # chain is drafted to the plan's depth.
     early_stop: Literal["auto", "off"] | Annotated[float, Meta(ge=0.0, le=1.0)] = "auto"
     # The step that completes a prompt also verifies a draft after it, so a request's first
     # step can emit more than one token (otherwise its prompt's step yields one). Off by

@@ -78,10 +78,9 @@ At one sequence the two make ``p > G * (t_row + t_level)``. Positions a chain wa
 but did not draft are not observed, so ``a_k`` is the acceptance where drafted; ``c_k``, the
 share of chains that reached depth ``k`` and went on, gives ``reach_k = prod_{j<=k} c_j``, a
 position commits ``a_k * c_{k-1}`` of the chains that reached it, and a chain plan of depth
-``d`` is priced at ``B * (1 + sum_{k<d}
-reach_k)`` verify rows and, per batch bucket, the draft levels measured to run (the share
-of steps whose level ``k`` went on to ``k + 1``; before any: ``sum_{k<d} (1 - (1 -
-reach_k) ** B)``, as if the chains stopped alone). The engine applies both with ``[spec]
+``d`` is priced at ``B * (1 + sum_{k<d} reach_k)`` verify rows and, per batch bucket, the
+draft levels measured to run (the share of steps whose level ``k`` went on to ``k + 1``;
+before any: ``sum_{k<d} (1 - (1 - reach_k) ** B)``, as if the chains stopped alone). The engine applies both with ``[spec]
 early_stop = "auto"``, the default, and the controller sets them only in batches of up to
 ``stop_max_batch`` (2) sequences: on the dev CPU early stop paid there and cost about 3.5% at
 eight, where a level is shared by chains that mostly go on and the rows it saves are cheap
