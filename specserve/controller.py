@@ -203,6 +203,14 @@ on the CPU the goodput curve over depth is not concave: in the twentieth session
 16 requests the fixed depths 3, 4, 5, 6 measured 1.00, 0.89, 0.89, 0.91 of the best (four
 verify rows cheap, five dear); the plan sat at depth 5, its neighbours read as its equals,
 and depth 3, predicted at 0.95 of the top from old numbers, was not measured again.
+Past ``explore_batch`` sequences the gap grows: a step of a larger batch tells the bias
+correction more (see "Bias": its noise sd falls as ``1/sqrt(B)`` down to the floor of the
+step's own time noise), so the gap is ``explore_interval`` times the ratio of the two noise
+variances, one step in 16 at 9-16 sequences and one in 25 from 17, and each depth's figure is
+about as well measured per step of the plan. Every exploration is a step off the plan (often
+one dearer by a tenth or more: depth 7-8 at 16 sequences) and a change of the pass's shape
+into it and back; with one in 8 everywhere the plan at 16 requests on the dev CPU changed depth
+on a third of its steps and ran 3% slower than with the longer gaps (thirty-eighth session).
 
 **The centre of the band.** Near the top the goodput curve is flat (on the dev CPU at one
 request, static depths 4-7 measured within 4% of each other) and the predictions carry errors
@@ -1118,6 +1126,7 @@ class AdaptiveController:
         probe_depth: int = 2,
         explore_interval: int = 8,
         explore_margin: float = 0.15,
+        explore_batch: int | None = 8,
         tree_min_samples: int = 8,
         band_margin: float = 0.05,
         tree_max_profiled: int = 8,
@@ -1194,6 +1203,7 @@ class AdaptiveController:
         self.probe_interval = probe_interval
         self.explore_interval = explore_interval
         self.explore_margin = explore_margin
+        self.explore_batch = explore_batch
         self.tree_min_samples = tree_min_samples
         self.band_margin = band_margin
         self.tree_max_profiled = tree_max_profiled
@@ -1663,7 +1673,7 @@ class AdaptiveController:
             # (Where the chains stop on their own, no depth is being chosen: nothing to explore.)
             self._explore_countdown -= 1
             if self._explore_countdown <= 0:
-                self._explore_countdown = self.explore_interval
+                self._explore_countdown = self._explore_interval_at(batch_size)
                 # Not past what any request of the batch can still draft: its trees would be
                 # cut back to the plan in use, and the step would measure that plan.
                 deepest = self.max_depth if not depth_caps else max(depth_caps)
@@ -1677,6 +1687,22 @@ class AdaptiveController:
             self.stop_below, self.level_below = self.stop_thresholds(batch_size, chosen, scores)
             self._thresholds_for = chosen
         return self._record(chosen)
+
+    def _step_noise_sd(self, batch_size: int) -> float:
+        """The spread of one step's measured over predicted goodput at this batch size, as the
+        bias correction reads it: a step's tokens are a sum over its sequences, so their spread
+        falls as 1/sqrt(B), down to what the step's time alone varies by."""
+        return max(0.1, self.bias_noise_sd / math.sqrt(_bucket(batch_size)))
+
+    def _explore_interval_at(self, batch_size: int) -> int:
+        """Steps between explorations at this batch size: ``explore_interval`` up to
+        ``explore_batch`` sequences; past it, as much longer as a step there tells more (its
+        noise variance is that much smaller), so that each depth is measured as well per step
+        of the plan. See "Explorations" in the module docstring."""
+        if self.explore_batch is None or batch_size <= self.explore_batch:
+            return self.explore_interval
+        ratio = (self._step_noise_sd(self.explore_batch) / self._step_noise_sd(batch_size)) ** 2
+        return max(self.explore_interval, round(self.explore_interval * ratio))
 
     def _exploration(self, batch_size: int, cur: Plan, scores: dict[Plan, tuple[float, float]],
                      deepest: int) -> int | None:
@@ -1778,9 +1804,7 @@ class AdaptiveController:
             return [1.0] * (self.max_depth + 1)
         b = _bucket(batch_size)
         lo, hi = self.bias_limits
-        # A step's tokens are a sum over its sequences: their spread falls as 1/sqrt(B), down to
-        # what the step's time alone varies by.
-        noise_sd = max(0.1, self.bias_noise_sd / math.sqrt(b))
+        noise_sd = self._step_noise_sd(batch_size)
         args = (self._bucket_steps.get(b, 0), self.bias_decay, self.bias_prior_sd, noise_sd,
                 self.bias_deadband, lo, hi)
         biases = [self._bias.get((b, d)) for d in range(self.max_depth + 1)]

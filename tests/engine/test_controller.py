@@ -289,18 +289,21 @@ def test_a_stepped_row_is_read_as_measured():
 
 def test_the_plan_finds_the_best_depth_before_a_step_in_the_row():
     # The controller on the stepped row, costs exact: over 8 seeds it runs depth 3 for all of
-    # its last 300 steps but the explorations and probes (88%). With the rows smoothed halfway
-    # to their neighbours' line (the controller before the nineteenth session's finding) it
-    # ran depth 3 for 34-88% of them (0.981-0.993 of the best), the rest at 2 and 4.
+    # its last 300 steps but the explorations and probes (94%, 0.994-0.995 of the best; with
+    # explorations one step in 8 as at fewer sequences, 86-88% and 0.990-0.992). With the rows
+    # smoothed halfway to their neighbours' line (the controller before the nineteenth
+    # session's finding) it ran depth 3 for 34-88% of them (0.981-0.993 of the best), the
+    # rest at 2 and 4. Exploring one step in 16 at 16 sequences, one seed took ~400 steps to
+    # settle: the run is 600 steps.
     a, batch = 0.8, 16
     best = max(true_goodput(d, batch, a, stepped_verify, draft3) for d in range(9))
     assert true_goodput(3, batch, a, stepped_verify, draft3) == best
     for seed in range(8):
         ctrl = calibrated(stepped_verify, draft3)
-        plans = simulate(ctrl, 400, batch, a, stepped_verify, draft3, random.Random(seed))[-300:]
-        assert sum(p.depth == 3 for p in plans) >= 0.8 * len(plans), seed
+        plans = simulate(ctrl, 600, batch, a, stepped_verify, draft3, random.Random(seed))[-300:]
+        assert sum(p.depth == 3 for p in plans) >= 0.9 * len(plans), seed
         mean = sum(true_goodput(p.depth, batch, a, stepped_verify, draft3) for p in plans) / len(plans)
-        assert mean >= 0.985 * best, seed
+        assert mean >= 0.99 * best, seed
 
 
 def test_trees_cut_near_max_tokens_count_only_what_ran():
@@ -603,6 +606,26 @@ def test_neighbours_are_explored_one_step_at_a_time():
     assert ctrl.snapshot()["num_explorations"] >= len(excursions)
 
 
+def test_larger_batches_explore_as_much_less_often_as_their_steps_tell_more():
+    # Up to explore_batch (8) sequences, one step in explore_interval (8) explores; past it the
+    # gap grows with what one step tells the bias correction (its noise variance falls as 1/B,
+    # down to the floor of the step's own time noise at 25): one in 16 at 9-16 sequences, one
+    # in 25 from 17. At 16 requests on the dev CPU the plan ran 3% faster so (thirty-eighth
+    # session). explore_batch None: one step in 8 at every batch size.
+    ctrl = AdaptiveController()
+    assert [ctrl._explore_interval_at(b) for b in (1, 4, 8, 9, 16, 17, 32, 64)] == [8, 8, 8, 16, 16, 25, 25, 25]
+    flat = AdaptiveController(explore_batch=None)
+    assert {flat._explore_interval_at(b) for b in (1, 16, 64)} == {8}
+    for batch_size, interval in ((4, 8), (16, 16), (32, 25)):
+        for kw, expect in (({}, interval), ({"explore_batch": None}, 8)):
+            c = calibrated(flat_verify, cheap_draft, probe_interval=0, guard_interval=0, **kw)
+            simulate(c, 100, batch_size, 0.7, flat_verify, cheap_draft, random.Random(1))
+            before = c.num_explorations
+            simulate(c, 500, batch_size, 0.7, flat_verify, cheap_draft, random.Random(2))
+            assert c.current.depth > 0
+            assert c.num_explorations - before == pytest.approx(500 / expect, abs=1.5), (batch_size, kw)
+
+
 def test_explorations_visit_every_depth_near_the_top_the_stalest_first():
     # Predicted: depth 5 on top; 4 and 6 (its neighbours) and 3 within explore_margin (15%)
     # of it; 2 and 7 below. The explorations run 3, 4 and 6, each in turn, a neighbour twice
@@ -611,8 +634,11 @@ def test_explorations_visit_every_depth_near_the_top_the_stalest_first():
     ids = [f"r{i}" for i in range(16)]
 
     def run(**kw):
+        # (explore_batch None: one step in 4 at 16 sequences too, not as much less often as a
+        # step of 16 tells more; the next test but one)
         ctrl = _with_predictions(calibrated(flat_verify, cheap_draft, probe_interval=0, guard_interval=0,
-                                            bias_half_life=0, explore_interval=4, **kw), lambda: curve)
+                                            bias_half_life=0, explore_interval=4, explore_batch=None, **kw),
+                                 lambda: curve)
         depths = []
         for _ in range(480):
             plan = ctrl.plan(16, ids)
@@ -661,19 +687,21 @@ def test_a_depth_two_levels_off_the_plan_is_measured_again():
         ctrl.calibrate(lambda b, t: trap_verify(b, t) * (1.25 if round(t / b) == 4 else 1.0),
                        lambda b: 0.0035, batch_sizes=[16], nodes_per_seq=range(9),
                        measure_draft_total=lambda b, d: 0.0035 * d)
-        plans = simulate(ctrl, 400, 16, _TRAP_ACCEPTANCE, trap_verify, lambda b: 0.0035, random.Random(seed))
+        plans = simulate(ctrl, 700, 16, _TRAP_ACCEPTANCE, trap_verify, lambda b: 0.0035, random.Random(seed))
         tail = plans[-300:]
         return sum(goodput(p.depth) for p in tail) / len(tail) / top, ctrl.costs.t_verify(16, 64) / trap_verify(16, 64)
 
     # Explorations within 15% of the top reach depth 3: its point is measured again and the
-    # plan moves there (0.95-0.99 of the best over 8 seeds). Neighbours alone (explore_margin
-    # 0) left 7 of 8 seeds at depth 5, 0.89-0.92 of the best, the point still read 1.25x.
+    # plan moves there (over 8 seeds, 0.98-0.99 of the best in steps 400-700; exploring one
+    # step in 16 at 16 sequences, some seeds are still on their way at step 400, at 0.92-0.95
+    # over steps 100-400, where one step in 8 made 0.95-0.99). Neighbours alone (explore_margin
+    # 0) left 7 of 8 seeds at depth 5, 0.92-0.93 of the best, the point still read 1.25x.
     stuck = 0
     for seed in range(8):
         ratio, point = run(seed)
-        assert ratio >= 0.95 and point == pytest.approx(1.0, abs=0.02), seed
+        assert ratio >= 0.97 and point == pytest.approx(1.0, abs=0.02), seed
         ratio, point = run(seed, explore_margin=0.0)
-        stuck += ratio < 0.93 and point > 1.2
+        stuck += ratio < 0.95 and point > 1.2
     assert stuck >= 6
 
 
@@ -1321,14 +1349,14 @@ def test_noisy_costs_do_not_hold_the_plan_away_from_the_best_depth():
     assert sum(ratios) / len(ratios) >= 0.99
 
 
-def _run_with_hidden_cost(bias: bool, batch_size: int, per_token: float, steps: int, seed: int):
+def _run_with_hidden_cost(bias: bool, batch_size: int, per_token: float, steps: int, seed: int, **kw):
     """Steps under a cost the model has no term for: the step's overhead grows with the tokens
     it emits (in the server, each token's output handling), while the model keeps one overhead
     figure per batch bucket, learnt at whichever depth runs, so it prices deep and shallow
     plans at the same overhead. Returns the true tokens/s of the last three quarters, the
     depths run there, and the controller."""
     rng = random.Random(seed)
-    ctrl = calibrated(roofline_verify, cheap_draft, **({} if bias else {"bias_half_life": 0}))
+    ctrl = calibrated(roofline_verify, cheap_draft, **({} if bias else {"bias_half_life": 0}), **kw)
     ids = [f"r{i}" for i in range(batch_size)]
     tokens_sum = time_sum = 0.0
     depths = []
@@ -1356,10 +1384,15 @@ def test_a_depth_that_measures_below_its_prediction_loses_its_place():
     # depth's measured over predicted goodput corrects its prediction: the shallow depths,
     # which carry less of the hidden cost, read 1.03-1.04 at depth 3 against 0.97-0.99 at
     # depth 5, the plan leaves depth 5 and deeper but for explorations (8% of the steps), and
-    # every seed's goodput rises (0.6-1.8%).
+    # every seed's goodput rises (0.6-1.8%). That is with explorations one step in 8, as up to
+    # 8 sequences (explore_batch None); at 16 the controller explores one step in 16 and the
+    # correction has half the figures off the plan: over 1500 steps depth 3's factor stood
+    # 0.00-0.06 over depth 5's and the gain was -0.2% to +1.0% (over 3000, 0.01-0.03 and 0.0%
+    # to +1.4%), the price of the steps it does not spend off the plan (benchmarks/RESULTS.md,
+    # thirty-eighth session).
     for seed in range(4):
-        off, off_depths, _ = _run_with_hidden_cost(False, 16, 0.0003, 1500, seed)
-        on, on_depths, ctrl = _run_with_hidden_cost(True, 16, 0.0003, 1500, seed)
+        off, off_depths, _ = _run_with_hidden_cost(False, 16, 0.0003, 1500, seed, explore_batch=None)
+        on, on_depths, ctrl = _run_with_hidden_cost(True, 16, 0.0003, 1500, seed, explore_batch=None)
         f = ctrl.bias_factors(16)
         assert f[3] > f[5] + 0.03, seed
         assert sum(d >= 5 for d in on_depths) < 0.7 * sum(d >= 5 for d in off_depths), seed
