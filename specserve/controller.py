@@ -139,6 +139,22 @@ calibration, or a load since gone), and in steady state points compare by their 
 at 16 and 32 sequences 3 and 5 verify rows and 4 draft levels read 1.5x dearer than their
 neighbours for good, the predicted goodput dipped at depths 2-4, the band was depth 1 alone,
 and adaptive sat at depth 1-2 where 3-4 were best.
+
+**Between buckets.** A batch of ``b / 2 < B < b`` sequences is read from the rows of both
+buckets, each at the same rows per sequence (verify) or depth (draft), linear in ``B``
+between them, and at the upper bucket's level: ``level_b x ((1 - w) shape_{b/2} + w
+shape_b)``, a row's shape being its prediction over its own level. Its steps are measured
+against that and move ``level_b`` only, never a reference or a point. At a load of ``b`` such
+batches are its tails, where the plan runs deep, and until the thirty-ninth session their
+steps were taught to bucket ``b``'s shape: a draft step of 5 sequences stood for one of 8
+unscaled (0.8-0.95x its cost), and a verify step was brought to 8 by the ratio of the two
+buckets read at their own levels, where bucket ``b / 2``, seldom run, still stood at the
+calibration's while ``b`` had risen with a busier host, so a tail step read dear and pushed
+``level_b`` up while the point in use was compared down. Offline at 8 requests on the dev CPU,
+one run of 32 requests moved bucket 8's priced ratio of depth 3 to depth 6 from 0.72 to 0.81
+(verify) and 0.56 to 0.73 (draft), against 0.69 and 0.54 measured by the fixed depths, and the
+plan ran depth 6 where 3 was best; with the tails telling the level only, 0.70-0.74 and
+0.58-0.64, and it ran depth 3. (``between_bucket_levels=False`` keeps the old reading.)
 **Context.** Attention reads every cached token of a sequence for each of its rows, so a pass
 also costs in proportion to the batch's context ``C`` (its tokens in the KV cache, summed) and
 that share does not grow with the rows verified; at 64 sequences of a few hundred tokens on
@@ -606,6 +622,21 @@ class _Row:
         points = self.current()
         return _interp_points(points, num_tokens, self._xs)
 
+    def shape_many(self, xs: Sequence[float]) -> list[float]:
+        """predict() at each of xs over the row's level: the row's shape, which another
+        bucket's row can be read beside whatever the two levels have drifted to."""
+        points = self.current()
+        return [_interp_points(points, x, self._xs) / self.level for x in xs]
+
+    def nudge_level(self, ratio: float, level_alpha: float) -> None:
+        """A measurement `ratio` times what the row predicted, that tells its level and nothing
+        of its shape (a pass between two buckets, see "Between buckets" in the module
+        docstring): the level moves as any measurement moves it, winsorised alike; no point,
+        reference or comparison changes."""
+        if level_alpha > 0:
+            self.level *= 1.0 + level_alpha * (min(max(ratio, 0.5), 2.0) - 1.0)
+            self._current = None
+
     def observe(self, num_tokens: int, seconds: float, alpha: float, level_alpha: float,
                 is_reference: bool = False, provisional: bool = False, key: int | None = None,
                 cross_alpha: float = _CROSS_ALPHA) -> None:
@@ -702,11 +733,20 @@ class _Row:
             self.standin_ratio += (ratio - self.standin_ratio) / self._standins_replaced
 
 
+def _between(lo: _Row, hi: _Row, w: float, xs_lo: Sequence[float], xs_hi: Sequence[float]) -> list[float]:
+    """A pass between two buckets' batch sizes, `w` of the way from the lower to the upper:
+    the two rows' shapes (at xs_lo and xs_hi) interpolated, at the upper row's level (see
+    "Between buckets" in the module docstring)."""
+    s_lo, s_hi = lo.shape_many(xs_lo), hi.shape_many(xs_hi)
+    return [hi.level * ((1.0 - w) * x + w * y) for x, y in zip(s_lo, s_hi)]
+
+
 class CostModel:
     """Measured step costs: t_draft(B) per draft step and t_verify(B, num_tokens) per pass."""
 
     def __init__(self, alpha: float = 0.03, level_alpha: float = 0.1, cross_alpha: float = _CROSS_ALPHA,
-                 verify_by_rows: bool = True, context_rows_monotone: bool = False):
+                 verify_by_rows: bool = True, context_rows_monotone: bool = False,
+                 between_bucket_levels: bool = True):
         self.alpha = alpha
         self.level_alpha = level_alpha
         self.cross_alpha = cross_alpha   # how far one comparison moves a point's reference
@@ -714,6 +754,12 @@ class CostModel:
         # sequence in both and interpolated in the batch size (see _verify_at), not as a token
         # count on its own bucket's row.
         self.verify_by_rows = verify_by_rows
+        # Between two buckets, a pass (verify, and draft levels alike) is read as the upper
+        # bucket's level times the two buckets' shapes interpolated, and its measurements
+        # move that level only (False: each bucket read at its own level, and a measurement
+        # brought to the upper bucket and taught to its shape, as until the thirty-ninth
+        # session; draft levels read as the upper bucket's). See "Between buckets".
+        self.between_bucket_levels = between_bucket_levels
         self._draft: dict[int, _EmaPoint] = {}                    # batch bucket -> (B, t) of one draft level
         self._draft_rows: dict[int, _Row] = {}                    # batch bucket -> total draft time by depth
         self._overhead: dict[int, _EmaPoint] = {}                 # batch bucket -> (B, t)
@@ -841,6 +887,11 @@ class CostModel:
         row = self._draft_rows.get(_bucket(batch_size))
         if row is None:
             row = self._draft_rows[_bucket(batch_size)] = _Row(key=int)   # a point per depth
+        elif track_level and self._draft_between_buckets(batch_size):
+            predicted = self._draft_at(batch_size, [depth])[0]
+            if predicted > 0:
+                row.nudge_level(seconds / predicted, self.level_alpha)
+            return
         # A calibration's draft levels run on caught-up dummy sequences; the engine's first
         # level also catches the draft up on the accepted run (more rows the more was
         # accepted, so it grows with depth) with the caches cold: the measured levels then
@@ -872,6 +923,11 @@ class CostModel:
         row = self._verify.get(_bucket(batch_size))
         if row is None:
             row = self._verify[_bucket(batch_size)] = _Row()
+        elif track_level and self._between_buckets(batch_size) and self.between_bucket_levels:
+            predicted = self._verify_at(batch_size, [num_tokens / batch_size])[0]
+            if predicted > 0:
+                row.nudge_level(seconds / predicted, self.level_alpha)
+            return
         elif track_level and self._between_buckets(batch_size):
             # Brought to the bucket's own batch size by the model's ratio between the two (see
             # _verify_at), so the row's points stay where the calibration put them.
@@ -940,12 +996,30 @@ class CostModel:
         4% over its timed pass and depth 4 3% under, 7% between the two depths the plan chose
         from at 16 requests. Read at the rows in buckets 8 and 16, linear between them, the two
         priced within 1% of each other's timed ratio (the thirty-second session; with the
-        context curves as measured, see set_context_curves).
+        context curves as measured, see set_context_curves). At bucket b's level (see
+        "Between buckets" in the module docstring).
         """
         b = _bucket(batch_size)
         lo, hi = self._verify[b // 2], self._verify[b]
         w = (batch_size - b // 2) / (b - b // 2)
+        if self.between_bucket_levels:
+            return _between(lo, hi, w, [b // 2 * r for r in rows], [b * r for r in rows])
         return [(1.0 - w) * lo.predict(b // 2 * r) + w * hi.predict(b * r) for r in rows]
+
+    def _draft_between_buckets(self, batch_size: int) -> bool:
+        """Whether draft levels at `batch_size` are read between two measured buckets (the one
+        it falls in and the one below), as _draft_at reads them."""
+        b = _bucket(batch_size)
+        return (self.between_bucket_levels and batch_size != b and b in self._draft_rows
+                and b // 2 in self._draft_rows)
+
+    def _draft_at(self, batch_size: int, depths: Sequence[float]) -> list[float]:
+        """`depths` draft levels at `batch_size`, between the measured buckets b / 2 <
+        batch_size < b, as _verify_at reads a verify pass (on the dev CPU a draft level of 5
+        sequences costs 0.8-0.9x one of 8, which bucket 8's row alone would price it at)."""
+        b = _bucket(batch_size)
+        w = (batch_size - b // 2) / (b - b // 2)
+        return _between(self._draft_rows[b // 2], self._draft_rows[b], w, depths, depths)
 
     def t_draft_total_many(self, batch_size: int, depths: Sequence[int],
                            context_tokens: int | None = None) -> list[float]:
@@ -953,8 +1027,11 @@ class CostModel:
         buckets = sorted(set(self._draft_rows) | set(self._draft))
         if not buckets:
             return [0.0] * len(depths)
-        weights = _bucket_weights(buckets, batch_size)
         excess = self._excess_context(self._ctx_draft, batch_size, context_tokens)
+        if self._draft_between_buckets(batch_size):
+            bases = self._draft_at(batch_size, [max(d, 1) for d in depths])
+            return [0.0 if d <= 0 else max(0.1 * base, base + d * excess) for d, base in zip(depths, bases)]
+        weights = _bucket_weights(buckets, batch_size)
         out = []
         for d in depths:
             if d <= 0:
@@ -1151,6 +1228,7 @@ class AdaptiveController:
         plan_per_bucket: bool = True,
         verify_by_rows: bool = True,
         context_rows_monotone: bool = False,
+        between_bucket_levels: bool = True,
         churn_steps: float = 1.5,
         churn_alpha: float = 0.05,
     ):
@@ -1246,7 +1324,8 @@ class AdaptiveController:
         if not 0.0 <= cross_alpha <= 1.0:
             raise ValueError(f"cross_alpha must be in [0, 1], got {cross_alpha}")
         self.costs = CostModel(cost_alpha, cross_alpha=cross_alpha, verify_by_rows=verify_by_rows,
-                               context_rows_monotone=context_rows_monotone)
+                               context_rows_monotone=context_rows_monotone,
+                               between_bucket_levels=between_bucket_levels)
         # Global per-position acceptance a_k (index k-1) and sibling acceptance b.
         self.acceptance = [prior_acceptance] * max_depth
         # Early stop (chains): continuation c_k = P(a chain allowed past depth k that reached it

@@ -901,14 +901,121 @@ def test_a_batch_between_buckets_is_read_at_its_rows_in_both():
         old.observe_verify(16, 16 * rows, stepped(16, 16 * rows), track_level=False)
     assert old.t_verify(13, 65) < 0.95 * stepped(13, 65)
     # Online steps at 13 sequences, all 1.1x the model: the bucket's points keep their place
-    # and its level takes the rise (all of it: bucket 8, not seen, keeps its figures).
+    # and its level takes the rise, which a pass between 8 and 16 is read at (bucket 8, not
+    # seen, keeps its figures for its own batch size).
     for _ in range(80):
         costs.observe_verify(13, 13 * 5, 1.1 * stepped(13, 13 * 5))
     xs = [x for x, _ in costs.snapshot()["verify_s"][16].values()]
     assert xs == [16.0 * rows for rows in range(1, 9)]
     assert costs.t_verify(13, 13 * 5) == pytest.approx(1.1 * stepped(13, 13 * 5), rel=0.01)
-    assert 1.1 < costs.t_verify(16, 16 * 4) / stepped(16, 16 * 4) < 1.2
+    for rows in (3, 4, 5, 6):
+        assert costs.t_verify(16, 16 * rows) == pytest.approx(1.1 * stepped(16, 16 * rows), rel=0.01)
+        assert costs.t_verify(12, 12 * rows) == pytest.approx(1.1 * stepped(12, 12 * rows), rel=0.01)
     assert costs.t_verify(8, 8 * 4) == pytest.approx(stepped(8, 8 * 4))
+
+
+def per_seq_verify(b, n):
+    # A pass costs per sequence as well as per token: 5 sequences cost less than 8.
+    return 0.004 + 0.00035 * n + 0.0002 * b
+
+
+def per_seq_draft(b, d):
+    return d * (0.0006 + 0.00012 * b)
+
+
+def bucketed_costs(**kw) -> CostModel:
+    """Buckets 4 and 8 calibrated (verify rows 1-8), and every draft depth run at each until
+    its reference is set (its first four measurements)."""
+    costs = CostModel(**kw)
+    for b in (4, 8):
+        for rows in range(1, 9):
+            costs.observe_verify(b, b * rows, per_seq_verify(b, b * rows), track_level=False)
+        for d in range(1, 8):
+            costs.observe_draft_total(b, d, per_seq_draft(b, d), track_level=False)
+            for _ in range(4):
+                costs.observe_draft_total(b, d, per_seq_draft(b, d))
+    return costs
+
+
+def test_a_batch_between_buckets_teaches_its_buckets_level_and_not_its_shape():
+    """The steps at 5-7 sequences of a load of 8 are its tails, where deep plans run: taught
+    to bucket 8's shape as they were until the thirty-ninth session, a tail's deep pass
+    stood for a pass of 8 (the draft's unscaled, at its cost for 5), and the depths run in
+    tails read cheap beside the one run at the full batch. Read between the buckets, a tail
+    step tells bucket 8's level only: with every pass 1.2x its calibration (a busier host),
+    depth 3 at 8 sequences and depth 6 at 5, the two depths keep their ratio at 8."""
+    rows3, rows6 = 4, 7
+    for between in (True, False):
+        costs = bucketed_costs(between_bucket_levels=between)
+        costs.observe_draft_total(8, 3, per_seq_draft(8, 3))   # depth 3 in use when the host slows
+        for _ in range(300):
+            costs.observe_verify(8, 8 * rows3, 1.2 * per_seq_verify(8, 8 * rows3))
+            costs.observe_draft_total(8, 3, 1.2 * per_seq_draft(8, 3))
+            costs.observe_verify(5, 5 * rows6, 1.2 * per_seq_verify(5, 5 * rows6))
+            costs.observe_draft_total(5, 6, 1.2 * per_seq_draft(5, 6))
+        verify = costs.t_verify(8, 8 * rows3) / costs.t_verify(8, 8 * rows6)
+        draft = costs.t_draft_total(8, 3) / costs.t_draft_total(8, 6)
+        true_verify = per_seq_verify(8, 8 * rows3) / per_seq_verify(8, 8 * rows6)
+        true_draft = per_seq_draft(8, 3) / per_seq_draft(8, 6)
+        if between:
+            assert verify == pytest.approx(true_verify, rel=0.01)
+            assert draft == pytest.approx(true_draft, rel=0.01)
+            # The level: every depth at 8 sequences, and a tail between the buckets, at 1.2x.
+            for d in (2, 3, 6):
+                assert costs.t_verify(8, 8 * (d + 1)) == pytest.approx(1.2 * per_seq_verify(8, 8 * (d + 1)), rel=0.02)
+                assert costs.t_draft_total(8, d) == pytest.approx(1.2 * per_seq_draft(8, d), rel=0.02)
+                assert costs.t_verify(6, 6 * (d + 1)) == pytest.approx(1.2 * per_seq_verify(6, 6 * (d + 1)), rel=0.02)
+                assert costs.t_draft_total(6, d) == pytest.approx(1.2 * per_seq_draft(6, d), rel=0.02)
+            # Bucket 4, not run, keeps its figures at its own batch size.
+            assert costs.t_verify(4, 4 * rows3) == pytest.approx(per_seq_verify(4, 4 * rows3))
+        else:   # as before: depth 6 read 20% cheap beside depth 3 at 8 sequences
+            assert draft > 1.15 * true_draft
+
+
+def test_draft_levels_between_buckets_are_read_between_them():
+    # Bucket 8's row alone priced 5 sequences' draft levels as 8's.
+    costs = bucketed_costs()
+    for b in (5, 6, 7):
+        for d in (1, 3, 6):
+            assert costs.t_draft_total(b, d) == pytest.approx(per_seq_draft(b, d))
+    old = bucketed_costs(between_bucket_levels=False)
+    assert old.t_draft_total(5, 3) == pytest.approx(per_seq_draft(8, 3))
+
+
+def test_the_tails_of_a_load_do_not_move_its_plan_off_the_best_depth():
+    """A load of 8 with tails of 5 sequences, where the plan in use is depth 6 (whatever
+    the controller would pick there): the cost model keeps depth 6's price beside the
+    depths run at 8, and the plan at 8 sequences stays near the true best."""
+    rng = random.Random(0)
+    ctrl = AdaptiveController()
+    ctrl.calibrate(per_seq_verify, lambda b: per_seq_draft(b, 1), batch_sizes=[1, 2, 4, 8, 16],
+                   nodes_per_seq=range(9), measure_draft_total=per_seq_draft)
+
+    def step(batch_size, plan):
+        ids = [f"r{i}" for i in range(batch_size)]
+        ctrl.observe(StepStats(
+            batch_size=batch_size, depth=plan.depth, num_nodes=plan.num_nodes,
+            draft_s=1.3 * per_seq_draft(batch_size, plan.depth),
+            verify_s=1.3 * per_seq_verify(batch_size, batch_size * (plan.depth + 1)),
+            num_accepted=draw_accepted(plan.depth, batch_size, 0.8, rng), request_ids=ids))
+
+    ids8, ids5 = [f"r{i}" for i in range(8)], [f"r{i}" for i in range(5)]
+    late = []
+    for r in range(40):
+        for _ in range(30):
+            plan = ctrl.plan(8, ids8)
+            step(8, plan)
+            if r >= 20:
+                late.append(plan)
+        for _ in range(6):
+            ctrl.plan(5, ids5)
+            step(5, Plan(6, 6))
+    c = ctrl.costs
+    assert c.t_verify(8, 32) / c.t_verify(8, 56) == pytest.approx(per_seq_verify(8, 32) / per_seq_verify(8, 56), rel=0.02)
+    assert c.t_draft_total(8, 3) / c.t_draft_total(8, 6) == pytest.approx(0.5, rel=0.1)
+    draft = lambda b: per_seq_draft(b, 1)
+    good = sum(near_optimal(p, 8, 0.8, per_seq_verify, draft) for p in late)
+    assert good >= 0.9 * len(late)
 
 
 def test_speculates_at_high_load_with_long_contexts_when_it_pays():
