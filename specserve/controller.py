@@ -141,20 +141,25 @@ neighbours for good, the predicted goodput dipped at depths 2-4, the band was de
 and adaptive sat at depth 1-2 where 3-4 were best.
 
 **Between buckets.** A batch of ``b / 2 < B < b`` sequences is read from the rows of both
-buckets, each at the same rows per sequence (verify) or depth (draft), linear in ``B``
-between them, and at the upper bucket's level: ``level_b x ((1 - w) shape_{b/2} + w
-shape_b)``, a row's shape being its prediction over its own level. Its steps are measured
-against that and move ``level_b`` only, never a reference or a point. At a load of ``b`` such
-batches are its tails, where the plan runs deep, and until the thirty-ninth session their
-steps were taught to bucket ``b``'s shape: a draft step of 5 sequences stood for one of 8
-unscaled (0.8-0.95x its cost), and a verify step was brought to 8 by the ratio of the two
-buckets read at their own levels, where bucket ``b / 2``, seldom run, still stood at the
-calibration's while ``b`` had risen with a busier host, so a tail step read dear and pushed
-``level_b`` up while the point in use was compared down. Offline at 8 requests on the dev CPU,
-one run of 32 requests moved bucket 8's priced ratio of depth 3 to depth 6 from 0.72 to 0.81
-(verify) and 0.56 to 0.73 (draft), against 0.69 and 0.54 measured by the fixed depths, and the
-plan ran depth 6 where 3 was best; with the tails telling the level only, 0.70-0.74 and
-0.58-0.64, and it ran depth 3. (``between_bucket_levels=False`` keeps the old reading.)
+buckets, each at the same rows per sequence (verify) or depth (draft), linear in ``B`` between
+them, and at the upper bucket's level: ``level_b x ((1 - w) shape_{b/2} + w shape_b)``, a row's
+shape being its prediction over its own level. Its steps are measured against that and move
+``level_b`` only, never a reference or a point. At a load of ``b`` such batches are its tails,
+where the plan runs deep, and until the thirty-ninth session their steps were taught to bucket
+``b``'s shape: a draft step of 5 sequences stood for one of 8 unscaled (0.8-0.95x its cost),
+and a verify step was brought to 8 by the ratio of the two buckets read at their own levels,
+where bucket ``b / 2``, seldom run, still stood at the calibration's while ``b`` had moved with
+the host. So the depths run in tails were priced off beside the one run at the full batch (on
+synthetic costs in test_controller.py, with the host 1.3x slower than calibrated: 21% cheap for
+the draft, 27% dear for the verify pass). Offline at 8 requests on the dev CPU (three start-ups
+each way, four runs of 32 requests), bucket 8's priced ratio of depth 3's pass to depth 6's
+ended at 0.73-0.82 (verify) and 0.52-0.73 (draft) read the old way and at 0.70-0.81 and
+0.45-0.59 this way, beside 0.69 and 0.53 measured by the fixed depths (the calibration alone
+spread 0.71-0.78 from one start-up to the next). Over HTTP, in the thirty-ninth session's A/B
+at 4-32 requests, the old reading ran 0.963x this one, and the plan ran depth 3 (the best
+static depth at 8-32) 45-92% of the time against 18-69% (benchmarks/RESULTS.md, s39a).
+``between_bucket_levels=False`` keeps the old reading.
+
 **Context.** Attention reads every cached token of a sequence for each of its rows, so a pass
 also costs in proportion to the batch's context ``C`` (its tokens in the KV cache, summed) and
 that share does not grow with the rows verified; at 64 sequences of a few hundred tokens on
