@@ -146,7 +146,7 @@ them, and at the upper bucket's level: ``level_b x ((1 - w) shape_{b/2} + w shap
 shape being its prediction over its own level. Its steps are measured against that and move
 ``level_b`` only, never a reference or a point. At a load of ``b`` such batches are its tails,
 where the plan runs deep, and until the thirty-ninth session their steps were taught to bucket
-``b``'s shape: a draft step of 5 sequences stood for one of 8 unscaled (0.8-0.95x its cost),
+``b``'s shape: a draft step of 5-7 sequences stood for one of 8 unscaled (0.8-0.98x its cost),
 and a verify step was brought to 8 by the ratio of the two buckets read at their own levels,
 where bucket ``b / 2``, seldom run, still stood at the calibration's while ``b`` had moved with
 the host. So the depths run in tails were priced off beside the one run at the full batch (on
@@ -1020,8 +1020,8 @@ class CostModel:
 
     def _draft_at(self, batch_size: int, depths: Sequence[float]) -> list[float]:
         """`depths` draft levels at `batch_size`, between the measured buckets b / 2 <
-        batch_size < b, as _verify_at reads a verify pass (on the dev CPU a draft level of 5
-        sequences costs 0.8-0.9x one of 8, which bucket 8's row alone would price it at)."""
+        batch_size < b, as _verify_at reads a verify pass (on the dev CPU a draft level of 5-7
+        sequences costs 0.8-0.98x one of 8, which bucket 8's row alone would price it at)."""
         b = _bucket(batch_size)
         w = (batch_size - b // 2) / (b - b // 2)
         return _between(self._draft_rows[b // 2], self._draft_rows[b], w, depths, depths)
