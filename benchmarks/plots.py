@@ -40,8 +40,11 @@ def plot_latency_throughput(results, out: Path) -> Path:
     for label, rs in sorted(_by_setting(results).items()):
         conc = [r["config"].get("max_concurrency") or 0 for r in rs]
         for ax, key in ((axes[0], "ttft_s"), (axes[1], "itl_s")):
-            ax.plot(conc, [r["metrics"][key]["median"] * 1e3 for r in rs], "o-", label=f"{label} p50")
-            ax.plot(conc, [r["metrics"][key]["p99"] * 1e3 for r in rs], "x--", label=f"{label} p99")
+            # (Rounds kept by sweep_report for pooling carry throughput only.)
+            timed = [(c, r["metrics"][key]) for c, r in zip(conc, rs) if key in r["metrics"]]
+            if timed:
+                ax.plot([c for c, _ in timed], [m["median"] * 1e3 for _, m in timed], "o-", label=f"{label} p50")
+                ax.plot([c for c, _ in timed], [m["p99"] * 1e3 for _, m in timed], "x--", label=f"{label} p99")
         axes[2].plot(conc, [r["metrics"]["output_throughput"] for r in rs], "o-", label=label)
     for ax, title, unit in ((axes[0], "TTFT", "ms"), (axes[1], "inter-token latency", "ms"),
                             (axes[2], "output throughput", "tokens/s")):

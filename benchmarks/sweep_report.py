@@ -18,6 +18,20 @@ therefore also compares adaptive with a best static depth picked out of sample: 
 round, the depth best on the other rounds, measured on that round (leave one round out,
 pooled over the rounds). That figure reads low where the pick is sometimes wrong, so the
 truth lies between the two.
+
+**Rounds kept for pooling.** A round's raw results (``benchmarks/out/...``) are not committed,
+but the report writes ``rounds.json`` beside itself: per run its setting, concurrency, seed,
+commit, output tokens and seconds, all that pooling reads. Such a file (or a report folder
+holding one) may stand among the inputs in place of round folders, so that rounds of one
+controller swept in different sessions are pooled into one reading::
+
+    python -m benchmarks.sweep_report benchmarks/sweep_cpu_s40a/rounds.json benchmarks/out/s41a/round* --out-dir DIR
+
+Latencies and plots come from the full rounds only (the compact ones carry none). The
+checks table gives each adaptive / best static ratio its standard error, from the spread of
+the rounds' own ratios: one sweep of 8 rounds on the dev CPU reads a ratio to +-2-4%, and the
+criterion asks 0.97 of seven of them, so rounds pooled across sweeps are how it is read more
+closely than that.
 """
 
 from __future__ import annotations
@@ -31,22 +45,71 @@ from pathlib import Path
 from benchmarks import plots
 
 
+ROUNDS_FILE = "rounds.json"
+
+
 def load(dirs: list[Path]) -> dict:
+    """{(setting, concurrency): [run, ...]} from sweep round folders (their all_results.json)
+    and kept rounds (a rounds.json this module wrote, or a report folder holding one), in the
+    order given: the i-th run of every cell is round i."""
     cells: dict = {}
     for d in dirs:
-        path = d / "all_results.json"
-        if not path.is_file():
-            # The sweep writes it when the round is done: a round still running, or cut off.
-            raise SystemExit(f"sweep_report: {path} not found (is {d} a finished sweep round?)")
-        for r in json.loads(path.read_text()):
+        if d.is_file() or (not (d / "all_results.json").is_file() and (d / ROUNDS_FILE).is_file()):
+            runs = read_rounds(d if d.is_file() else d / ROUNDS_FILE)
+        else:
+            path = d / "all_results.json"
+            if not path.is_file():
+                # The sweep writes it when the round is done: a round still running, or cut off.
+                raise SystemExit(f"sweep_report: {path} not found (is {d} a finished sweep round?)")
+            runs = json.loads(path.read_text())
+        for r in runs:
             key = (r["config"]["label"], int(r["config"]["max_concurrency"]))
             cells.setdefault(key, []).append(r)
     return cells
 
 
+def compact_rounds(cells: dict) -> list[dict]:
+    """What pooling reads of every run, one small record each (ROUNDS_FILE), in round order."""
+    out = []
+    for (label, conc), runs in sorted(cells.items()):
+        for i, r in enumerate(runs):
+            m = r["metrics"]
+            out.append({"setting": label, "concurrency": conc, "round": i,
+                        "seed": r["config"].get("seed"), "commit": r.get("commit"),
+                        "output_tokens": m["total_output_tokens"], "seconds": m["duration_s"]})
+    return out
+
+
+def read_rounds(path: Path) -> list[dict]:
+    """Runs from a ROUNDS_FILE, shaped as the sweep's results with only what pooling reads
+    (``compact``: no latencies). A SystemExit naming the file and the record that is wrong."""
+    try:
+        records = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"sweep_report: cannot read kept rounds {path}: {e}") from None
+    runs = []
+    for i, rec in enumerate(records if isinstance(records, list) else [None]):
+        try:
+            tokens, seconds = int(rec["output_tokens"]), float(rec["seconds"])
+            config = {"label": str(rec["setting"]), "max_concurrency": int(rec["concurrency"]),
+                      "seed": rec.get("seed")}
+        except (TypeError, KeyError, ValueError):
+            raise SystemExit(f"sweep_report: {path}: record {i} is not a kept round "
+                             "(setting, concurrency, output_tokens, seconds)") from None
+        if seconds <= 0:
+            raise SystemExit(f"sweep_report: {path}: record {i} has seconds={seconds}, must be > 0")
+        runs.append({"config": config, "commit": rec.get("commit"), "compact": True,
+                     "metrics": {"output_throughput": tokens / seconds, "total_output_tokens": tokens,
+                                 "duration_s": seconds}})
+    # Round order within a cell: the record's round index (a file lists cells one after another).
+    return [r for _, r in sorted(zip(records, runs), key=lambda x: x[0].get("round", 0))]
+
+
 def median_run(runs: list[dict]) -> dict:
-    """The repetition whose output throughput is the median (its latencies come with it)."""
-    ordered = sorted(runs, key=lambda r: r["metrics"]["output_throughput"])
+    """The repetition whose output throughput is the median (its latencies come with it), of
+    the full runs where there are any (kept rounds carry no latencies)."""
+    full = [r for r in runs if not r.get("compact")] or runs
+    ordered = sorted(full, key=lambda r: r["metrics"]["output_throughput"])
     return ordered[len(ordered) // 2]
 
 
@@ -82,6 +145,14 @@ def held_out_best(cells: dict, statics: list[str], conc: int) -> tuple[float, li
         others = {s: [r for j, r in enumerate(v) if j != i] for s, v in runs.items()}
         picks.append(max(statics, key=lambda s: _pool(others[s])))
     return _pool([runs[s][i] for i, s in enumerate(picks)]), picks
+
+
+def ratio_se(per_round: list[float]) -> float | None:
+    """Standard error of a ratio pooled over rounds, from its rounds' own ratios: the sd of
+    their logs over the square root of their number (relative; None from one round)."""
+    if len(per_round) < 2:
+        return None
+    return statistics.stdev(math.log(x) for x in per_round) / len(per_round) ** 0.5
 
 
 def cell_noise(cells: dict) -> tuple[float, int] | None:
@@ -160,9 +231,9 @@ def report(cells: dict, baseline: str = "adaptive") -> tuple[str, list[dict]]:
         lines.append(f"| {s} | " + " | ".join(f"{tput.get((s, c), float('nan')):.0f}" for c in concs) + " |")
     statics = [s for s in settings if s.startswith("static")]
     checks = ["", "| concurrency | best static | adaptive / best static | same, per round (min-max) "
-              "| adaptive / best static picked on the other rounds | adaptive / none "
+              "| its standard error | adaptive / best static picked on the other rounds | adaptive / none "
               "| adaptive depth (mean over run) |",
-              "|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|"]
     ok_every = True
     ok_held_out: bool | None = True
 
@@ -180,6 +251,7 @@ def report(cells: dict, baseline: str = "adaptive") -> tuple[str, list[dict]]:
         # ratios shows how far the machine's noise reaches into the pooled one.
         per_round = [a["metrics"]["output_throughput"] / b["metrics"]["output_throughput"]
                      for a, b in zip(cells[("adaptive", c)], cells[(best, c)])]
+        se = ratio_se(per_round)
         series = [d for r in cells[("adaptive", c)] for _, d in (r.get("depth_series") or [])]
         depth = statistics.mean(series) if series else float("nan")
         held = held_out_best(cells, statics, c)
@@ -191,7 +263,8 @@ def report(cells: dict, baseline: str = "adaptive") -> tuple[str, list[dict]]:
                 ok_held_out &= held_ratio >= 0.97
             held_text = f"{held_ratio:.3f} ({', '.join(sorted(set(held[1])))})"
         checks.append(f"| {c} | {best} ({tput[(best, c)]:.0f}) | {ratio:.3f} | "
-                      f"{min(per_round):.2f}-{max(per_round):.2f} | {held_text} | "
+                      f"{min(per_round):.2f}-{max(per_round):.2f} | "
+                      f"{'n/a' if se is None else f'+-{se:.3f}'} | {held_text} | "
                       f"{vs_none(c)} | {depth:.1f} |")
     dominated = [s for s in statics if has_adaptive and all(tput[(s, c)] >= 0.97 * tput[("adaptive", c)] for c in concs)]
     top = concs[-1]
@@ -225,7 +298,9 @@ def report(cells: dict, baseline: str = "adaptive") -> tuple[str, list[dict]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("dirs", nargs="+", type=Path)
+    ap.add_argument("dirs", nargs="+", type=Path,
+                    help="sweep round folders (all_results.json), or kept rounds: a rounds.json this "
+                         "report wrote, or its folder")
     ap.add_argument("--out-dir", type=Path, required=True)
     ap.add_argument("--baseline", default=None,
                     help="the setting the other adaptive settings (sweep --variant) are read against "
@@ -239,6 +314,7 @@ def main() -> None:
     text, medians = report(cells, args.baseline or "adaptive")
     (args.out_dir / "report.md").write_text(text)
     (args.out_dir / "median_results.json").write_text(json.dumps(medians, indent=1))
+    (args.out_dir / ROUNDS_FILE).write_text(json.dumps(compact_rounds(cells), indent=0))
     for path in plots.make_all(medians, args.out_dir):
         print(path)
     print(text)

@@ -303,10 +303,77 @@ def test_sweep_report_pools_rounds_and_checks_the_criteria():
     assert by["static1"]["metrics"]["ttft_s"]["median"] in (0.2, 0.1)   # a median-throughput round's own
     assert by["static1"]["metrics"]["pooled_rounds"] == 3
     # Per round adaptive / static1: 150/300, 150/100, 150/100.
-    assert "| 1 | static1 (150) | 1.000 | 0.50-1.50 | 1.000 (static1) | 1.500 | 5.0 |" in text
+    # Its standard error: the sd of log 0.5, log 1.5, log 1.5 (0.634) over sqrt(3).
+    assert "| 1 | static1 (150) | 1.000 | 0.50-1.50 | +-0.366 | 1.000 (static1) | 1.500 | 5.0 |" in text
     assert "at every concurrency: **yes**" in text
     assert "picked on the other rounds: **yes**" in text
     assert "adaptive / no speculation = **1.500**" in text
+
+
+def test_sweep_report_keeps_its_rounds_and_pools_them_with_later_ones(tmp_path):
+    """rounds.json keeps what pooling reads of every run; given back among the inputs (the
+    file, or the report folder holding it) it pools with new rounds as if they had been swept
+    together: throughput over all rounds, the checks over all of them, latencies from the full
+    rounds only."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from benchmarks import sweep_report
+
+    def run(label, tokens, seconds, seed):
+        return {"config": {"label": label, "max_concurrency": 2, "seed": seed}, "commit": "abc1234",
+                "metrics": {"output_throughput": tokens / seconds, "total_output_tokens": tokens,
+                            "duration_s": seconds, "ttft_s": {"median": 0.1, "p99": 0.2},
+                            "itl_s": {"median": 0.01, "p99": 0.02}}}
+
+    def write_round(d, results):
+        d.mkdir(parents=True)
+        (d / "all_results.json").write_text(json.dumps(results))
+        return d
+
+    # An old sweep of two rounds, and a new one of one round.
+    old = [write_round(tmp_path / "old" / f"round{i}",
+                       [run("none", 100, 1.0, i), run("static1", 200, 1.0 + i, i), run("adaptive", 210, 1.0 + i, i)])
+           for i in range(2)]
+    new = write_round(tmp_path / "new" / "round0",
+                      [run("none", 100, 2.0, 2), run("static1", 200, 4.0, 2), run("adaptive", 180, 2.0, 2)])
+    root = Path(__file__).resolve().parents[2]
+    kept = tmp_path / "kept"
+    out = subprocess.run([sys.executable, "-m", "benchmarks.sweep_report", *map(str, old), "--out-dir", str(kept)],
+                         capture_output=True, text=True, cwd=root)
+    assert out.returncode == 0, out.stderr
+    records = json.loads((kept / "rounds.json").read_text())
+    assert len(records) == 6 and {"setting", "concurrency", "round", "seed", "commit", "output_tokens",
+                                  "seconds"} <= set(records[0])
+    # Pooled from the kept rounds alone: the same figures as from the rounds themselves.
+    again = sweep_report.report(sweep_report.load([kept / "rounds.json"]))[0]
+    assert again.splitlines()[:5] == sweep_report.report(sweep_report.load(old))[0].splitlines()[:5]
+    # Kept + new: static1 600 tokens in 1 + 2 + 4 s, adaptive 600 in 1 + 2 + 2 s.
+    for first in (kept, kept / "rounds.json"):
+        cells = sweep_report.load([first, new])
+        assert [r.get("compact", False) for r in cells[("adaptive", 2)]] == [True, True, False]
+        text, rows = sweep_report.report(cells)
+        by = {r["config"]["label"]: r for r in rows}
+        assert by["static1"]["metrics"]["output_throughput"] == pytest.approx(600 / 7)
+        assert by["adaptive"]["metrics"]["output_throughput"] == pytest.approx(600 / 5)
+        assert by["adaptive"]["metrics"]["pooled_rounds"] == 3
+        assert "ttft_s" in by["adaptive"]["metrics"]   # the latencies of the one full round
+        assert "| 2 | static1 (86) | 1.400 | 1.05-1.80 |" in text   # per round 1.05, 1.05, 90 / 50
+    # The report (and its plots) from the pooled rounds.
+    out = subprocess.run([sys.executable, "-m", "benchmarks.sweep_report", str(kept), str(new),
+                          "--out-dir", str(tmp_path / "pooled")], capture_output=True, text=True, cwd=root)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "pooled" / "latency_throughput.png").is_file()
+    assert len(json.loads((tmp_path / "pooled" / "rounds.json").read_text())) == 9
+    # A file that is not kept rounds is named, with the record that is wrong.
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([records[0], {"setting": "none"}]))
+    with pytest.raises(SystemExit, match=r"bad.json: record 1 is not a kept round"):
+        sweep_report.load([bad])
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit, match="cannot read kept rounds"):
+        sweep_report.load([bad])
 
 
 def test_sweep_report_picks_the_best_static_out_of_sample():
