@@ -147,12 +147,12 @@ def held_out_best(cells: dict, statics: list[str], conc: int) -> tuple[float, li
     return _pool([runs[s][i] for i, s in enumerate(picks)]), picks
 
 
-def ratio_se(per_round: list[float]) -> float | None:
-    """Standard error of a ratio pooled over rounds, from its rounds' own ratios: the sd of
-    their logs over the square root of their number (relative; None from one round)."""
-    if len(per_round) < 2:
+def log_se(logs: list[float]) -> float | None:
+    """Standard error of a ratio pooled over rounds, from the logs of its rounds' own ratios:
+    their sd over the square root of their number (relative; None from one round)."""
+    if len(logs) < 2:
         return None
-    return statistics.stdev(math.log(x) for x in per_round) / len(per_round) ** 0.5
+    return statistics.stdev(logs) / len(logs) ** 0.5
 
 
 def cell_noise(cells: dict) -> tuple[float, int] | None:
@@ -199,8 +199,8 @@ def variant_lines(cells: dict, tput: dict, variants: list[str], concs: list[int]
             logs.append(math.log(r))
             round_logs.append(statistics.mean(per_round))
             spread = f"{math.exp(min(per_round)):.2f}-{math.exp(max(per_round)):.2f}"
-            if len(per_round) > 1:
-                se = statistics.stdev(per_round) / len(per_round) ** 0.5
+            se = log_se(per_round)
+            if se is not None:
                 ratios.append(f"{r:.3f} ({math.exp(round_logs[-1]):.3f} +-{se:.3f}; {spread})")
             else:
                 ratios.append(f"{r:.3f} ({spread})")
@@ -251,7 +251,7 @@ def report(cells: dict, baseline: str = "adaptive") -> tuple[str, list[dict]]:
         # ratios shows how far the machine's noise reaches into the pooled one.
         per_round = [a["metrics"]["output_throughput"] / b["metrics"]["output_throughput"]
                      for a, b in zip(cells[("adaptive", c)], cells[(best, c)])]
-        se = ratio_se(per_round)
+        se = log_se([math.log(x) for x in per_round])
         series = [d for r in cells[("adaptive", c)] for _, d in (r.get("depth_series") or [])]
         depth = statistics.mean(series) if series else float("nan")
         held = held_out_best(cells, statics, c)
