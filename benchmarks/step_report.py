@@ -318,6 +318,47 @@ def markdown(rows: dict[tuple[str, int], dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def mix(rows: dict[tuple[str, int], dict]) -> dict[tuple[str, int], dict]:
+    """Per concurrency and controller: what its time at each depth would have yielded at the
+    fixed settings' throughput at that depth (none for depth 0), over the best static depth's,
+    beside what it measured over the same. The first is the loss (or gain) of the depths it
+    chose, its steps priced as the fixed depth's; the gap between the two is what its steps
+    cost beyond the fixed depth's (its own work, its switches, its tails). Depths no fixed
+    setting ran (7 and 8 in a sweep of static1-6) are left out of the mix, and their share of the
+    controller's time is given; past half its time there, no mix is read (at 1-2 requests the
+    chains' own stops run depth 8 throughout). Throughputs are the cells' means (summarise's
+    tok/s)."""
+    out = {}
+    for (setting, conc), r in rows.items():
+        if fixed_depth(setting) is not None:
+            continue
+        rates = {fixed_depth(s): rows[(s, c)]["tput"] for s, c in rows
+                 if c == conc and fixed_depth(s) is not None}
+        statics = [t for d, t in rates.items() if d > 0]
+        if not statics:
+            continue
+        best = max(statics)
+        shares = r["depth_share"]
+        covered = sum(v for d, v in shares.items() if d in rates)
+        out[(setting, conc)] = {
+            "own": r["tput"] / best,
+            "mix": sum(v * rates[d] for d, v in shares.items() if d in rates) / covered / best if covered >= 0.5 else None,
+            "unpriced_share": 1.0 - covered,
+        }
+    return out
+
+
+def mix_markdown(mx: dict[tuple[str, int], dict]) -> str:
+    lines = ["\nThe controllers' depths at the fixed depths' rates, over the best static depth",
+             "| requests | setting | measured / best static | its depths at the fixed rates / best static "
+             "| share of its time at depths no fixed setting ran |",
+             "|---:|---|---:|---:|---:|"]
+    for (setting, conc), m in sorted(mx.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        mixed = "-" if m["mix"] is None else f"{m['mix']:.3f}"
+        lines.append(f"| {conc} | {setting} | {m['own']:.3f} | {mixed} | {m['unpriced_share']:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
 def depth_costs(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75) -> dict:
     """{concurrency: {(setting, depth): figures}} over the decode-only steps that hold at least
     `full` of the concurrency and follow a decode-only step at the same depth: how many, their
@@ -603,6 +644,9 @@ def main(argv=None) -> int:
     p.add_argument("--pricing", action="store_true",
                    help="also, per concurrency, each controller's price of every depth's step over what "
                         "that fixed depth measured, at matched batch and context per sequence")
+    p.add_argument("--mix", action="store_true",
+                   help="also, per concurrency, each controller's time at each depth priced at the fixed "
+                        "settings' throughput there, over the best static depth, beside its own")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     cells = [c for d in args.sweep_dirs for c in cells_of(d)]
@@ -628,6 +672,8 @@ def main(argv=None) -> int:
         print(regimes_markdown(regimes(cells)), end="")
     if args.pricing:
         print(pricing_markdown(pricing(cells)), end="")
+    if args.mix:
+        print(mix_markdown(mix(rows)), end="")
     if args.json:
         args.json.write_text(json.dumps([{"setting": s, "concurrency": c, **r} for (s, c), r in rows.items()], indent=1))
     return 0

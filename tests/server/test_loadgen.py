@@ -757,6 +757,33 @@ def test_step_report_takes_each_cell_apart_from_the_step_logs(tmp_path):
     assert step_report.main([str(tmp_path / "round0" / "nothing")]) == 1
 
 
+def test_step_report_prices_a_controllers_depths_at_the_fixed_depths_rates():
+    """step_report.mix: the controller's time share at each depth times the fixed setting's
+    throughput there, over the best static depth; depths no fixed setting ran are left out
+    and their share reported."""
+    from benchmarks import step_report
+
+    def row(tput, share):
+        return {"tput": tput, "depth_share": share}
+
+    rows = {
+        ("none", 8): row(50.0, {0: 1.0}),
+        ("static2", 8): row(80.0, {2: 1.0}),
+        ("static3", 8): row(100.0, {3: 1.0}),
+        ("adaptive", 8): row(85.0, {0: 0.1, 2: 0.3, 3: 0.4, 8: 0.2}),
+        ("static3", 16): row(10.0, {3: 1.0}),   # another concurrency: not in the mix at 8
+        ("adaptive", 16): row(12.0, {5: 1.0}),  # no fixed setting at its depth
+    }
+    mx = step_report.mix(rows)
+    m = mx[("adaptive", 8)]
+    assert m["own"] == pytest.approx(0.85)
+    assert m["mix"] == pytest.approx((0.1 * 50 + 0.3 * 80 + 0.4 * 100) / 0.8 / 100)
+    assert m["unpriced_share"] == pytest.approx(0.2)
+    assert mx[("adaptive", 16)]["mix"] is None and mx[("adaptive", 16)]["own"] == pytest.approx(1.2)
+    assert set(mx) == {("adaptive", 8), ("adaptive", 16)}
+    assert "| 8 | adaptive | 0.850 | 0.863 | 20% |" in step_report.mix_markdown(mx)
+
+
 def test_step_report_reads_the_shared_servers_log_of_a_one_process_sweep(tmp_path):
     """sweep --one-process: adaptive and the static settings share one server and one step
     log, steps_shared_roundI.jsonl; each cell's steps are those inside its own window."""
