@@ -339,12 +339,10 @@ def mix(rows: dict[tuple[str, int], dict]) -> dict[tuple[str, int], dict]:
             continue
         best = max(statics)
         shares = r["depth_share"]
-        covered = sum(v for d, v in shares.items() if d in rates)
-        out[(setting, conc)] = {
-            "own": r["tput"] / best,
-            "mix": sum(v * rates[d] for d, v in shares.items() if d in rates) / covered / best if covered >= 0.5 else None,
-            "unpriced_share": 1.0 - covered,
-        }
+        priced = {d: v for d, v in shares.items() if d in rates}
+        covered = sum(priced.values())
+        mixed = sum(v * rates[d] for d, v in priced.items()) / covered / best if covered >= 0.5 else None
+        out[(setting, conc)] = {"own": r["tput"] / best, "mix": mixed, "unpriced_share": 1.0 - covered}
     return out
 
 
