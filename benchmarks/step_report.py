@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -396,6 +397,67 @@ def depth_costs_markdown(dc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _round_of(res: dict) -> str | None:
+    """The round a result file belongs to (its out path's folder: one server's round, unique
+    across sweeps), None where the result file does not say."""
+    out = (res.get("config") or {}).get("out")
+    return str(Path(out).parent) if out else None
+
+
+def paired_costs(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0.75,
+                 min_steps: int = 5) -> dict:
+    """{concurrency: {(setting, depth, kind): figures}}: a controller's draft + verify time of a
+    step at one depth over the fixed setting's at that depth, paired within each round (the
+    same server, prompts and minutes of the host) and read as the geometric mean of the rounds'
+    ratios of medians, with its standard error: kind "decode" over the decode-only steps near the
+    full batch, "mixed" over those that also ran a prompt chunk. Pooled medians (--depth-costs)
+    mix the host's spells into both sides; this reads whether the same pass costs more under
+    the controller beyond the rounds' spread (the forty-second session: depth 3 at 64 requests,
+    1.065x static3's over s41a's rounds)."""
+    meds: dict[tuple, float] = {}
+    for setting, conc, res, steps in cells:
+        rnd = _round_of(res)
+        if rnd is None:
+            continue
+        by: dict[tuple[int, str], list[float]] = {}
+        for s in steps:
+            if s["decode"] >= max(1.0, full * conc):
+                kind = "mixed" if s.get("prefill_seqs") else "decode"
+                by.setdefault((s["depth"], kind), []).append(s["draft_s"] + s["verify_s"])
+        for (depth, kind), xs in by.items():
+            if len(xs) >= min_steps:
+                meds[(rnd, setting, conc, depth, kind)] = statistics.median(xs)
+    logs: dict[int, dict[tuple[str, int, str], list[float]]] = {}
+    for (rnd, setting, conc, depth, kind), m in meds.items():
+        if fixed_depth(setting) is not None:
+            continue
+        fixed = meds.get((rnd, "none" if depth == 0 else f"static{depth}", conc, depth, kind))
+        if fixed and m > 0:
+            logs.setdefault(conc, {}).setdefault((setting, depth, kind), []).append(math.log(m / fixed))
+    out: dict[int, dict] = {}
+    for conc, by in logs.items():
+        for key, xs in by.items():
+            n = len(xs)
+            mean = sum(xs) / n
+            se = statistics.stdev(xs) / math.sqrt(n) if n > 1 else None
+            out.setdefault(conc, {})[key] = {"rounds": n, "ratio": math.exp(mean),
+                                             "se": None if se is None else math.exp(mean) * se}
+    return out
+
+
+def paired_costs_markdown(pc: dict) -> str:
+    lines = []
+    for conc in sorted(pc):
+        lines += ["", f"{conc} requests: a controller's draft + verify ms at a depth over the fixed depth's, "
+                      "paired by round (geometric mean of the rounds' ratios of medians)", "",
+                  "| depth | setting | steps | rounds | controller / fixed | its standard error |",
+                  "|---:|---|---|---:|---:|---:|"]
+        for (setting, depth, kind), r in sorted(pc[conc].items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+            se = "" if r["se"] is None else f"+-{r['se']:.3f}"
+            lines.append(f"| {depth} | {setting} | {kind} | {r['rounds']} | {r['ratio']:.3f} | {se} |")
+    return "\n".join(lines) + "\n"
+
+
 BEFORE = ("same", "deeper", "shallower")
 
 
@@ -636,6 +698,9 @@ def main(argv=None) -> int:
     p.add_argument("--change-costs", action="store_true",
                    help="also, per concurrency, each depth's steps by the depth of the step before (the "
                         "same, deeper, shallower): medians of verify and draft ms per sequence and the rest")
+    p.add_argument("--paired-costs", action="store_true",
+                   help="also, per concurrency, a controller's draft + verify time at each depth over the "
+                        "fixed depth's, paired by round, with its standard error (decode-only and mixed steps)")
     p.add_argument("--regimes", action="store_true",
                    help="also, per concurrency, the controllers' priced verify ms for every depth, by the "
                         "depth they chose, beside what each depth measured")
@@ -666,6 +731,8 @@ def main(argv=None) -> int:
         print(step_kinds_markdown(step_kinds(cells)), end="")
     if args.change_costs:
         print(change_costs_markdown(change_costs(cells)), end="")
+    if args.paired_costs:
+        print(paired_costs_markdown(paired_costs(cells)), end="")
     if args.regimes:
         print(regimes_markdown(regimes(cells)), end="")
     if args.pricing:

@@ -836,6 +836,46 @@ def test_step_report_depth_costs_compare_one_depth_across_settings(tmp_path):
     assert "| 3 | static3 | 2 | 4.0 | 20.0 |" in table
 
 
+def test_step_report_paired_costs_pair_a_controllers_depth_with_the_fixed_depth_round_by_round(tmp_path):
+    """--paired-costs: per concurrency, a controller's draft + verify at a depth over the fixed
+    depth's in the same round, geometric mean over rounds with its standard error; decode-only
+    and mixed steps apart, small batches and thin cells left out."""
+    from benchmarks import step_report
+
+    lines = []
+    for r, (slow, host) in enumerate(((1.10, 1.0), (1.05, 2.0))):   # round 1's host twice as slow
+        rd = tmp_path / f"round{r}"
+        rd.mkdir()
+        for i, (setting, factor) in enumerate((("static3", 1.0), ("adaptive", slow))):
+            t0 = 1000.0 * r + 100.0 * (i + 1)
+            (rd / f"{setting}_c4.json").write_text(json.dumps(
+                {"started_at": t0, "finished_at": t0 + 50, "metrics": {"output_throughput": 50.0},
+                 "config": {"out": f"out/round{r}/{setting}_c4.json"}}))
+            v = 0.010 * factor * host
+            lines += [{"t": t0 + k, "depth": 3, "nodes": 3, "decode": 4, "prefill_seqs": 0, "prefill_tokens": 0,
+                       "emitted": 12, "draft_s": v / 2, "verify_s": v, "step_s": 2 * v} for k in range(1, 7)]
+            # mixed steps, dearer by the prompt chunk: paired among themselves
+            lines += [{"t": t0 + 10 + k, "depth": 3, "nodes": 3, "decode": 4, "prefill_seqs": 1,
+                       "prefill_tokens": 30, "emitted": 12, "draft_s": v, "verify_s": 2 * v, "step_s": 4 * v}
+                      for k in range(5)]
+            # a small batch, and a depth with too few steps: neither counts
+            lines += [{"t": t0 + 20, "depth": 3, "nodes": 3, "decode": 1, "prefill_seqs": 0, "prefill_tokens": 0,
+                       "emitted": 4, "draft_s": 1.0, "verify_s": 1.0, "step_s": 3.0}]
+            lines += [{"t": t0 + 21 + k, "depth": 4, "nodes": 4, "decode": 4, "prefill_seqs": 0,
+                       "prefill_tokens": 0, "emitted": 12, "draft_s": v, "verify_s": v, "step_s": 3 * v}
+                      for k in range(4)]
+    (tmp_path / "steps_shared.jsonl").write_text("\n".join(json.dumps(x) for x in sorted(lines, key=lambda x: x["t"])) + "\n")
+    pc = step_report.paired_costs(step_report.cells_of(tmp_path))
+    assert set(pc[4]) == {("adaptive", 3, "decode"), ("adaptive", 3, "mixed")}
+    for kind in ("decode", "mixed"):
+        r = pc[4][("adaptive", 3, kind)]
+        assert r["rounds"] == 2
+        assert r["ratio"] == pytest.approx(math.sqrt(1.10 * 1.05))   # the host's pace cancels in each round
+        assert r["se"] == pytest.approx(r["ratio"] * abs(math.log(1.10 / 1.05)) / 2)
+    table = step_report.paired_costs_markdown(pc)
+    assert f"| 3 | adaptive | decode | 2 | {math.sqrt(1.10 * 1.05):.3f} |" in table
+
+
 def test_step_report_pricing_sets_a_controllers_price_beside_the_fixed_depths_steps(tmp_path):
     """--pricing: per concurrency and controller, each depth's priced draft + verify over what
     that static depth measured, in bins of context per sequence, the bins weighted by the
