@@ -30,6 +30,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from benchmarks.sweep_report import log_se
+
 
 def load_steps(path: Path) -> list[dict]:
     steps = []
@@ -413,7 +415,7 @@ def paired_costs(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0
     full batch, "mixed" over those that also ran a prompt chunk. Pooled medians (--depth-costs)
     mix the host's spells into both sides; this reads whether the same pass costs more under
     the controller beyond the rounds' spread (the forty-second session: depth 3 at 64 requests,
-    1.065x static3's over s41a's rounds)."""
+    1.032x static3's +-0.015 over the 32 rounds of s40a, s40b and s41a)."""
     meds: dict[tuple, float] = {}
     for setting, conc, res, steps in cells:
         rnd = _round_of(res)
@@ -437,11 +439,9 @@ def paired_costs(cells: list[tuple[str, int, dict, list[dict]]], full: float = 0
     out: dict[int, dict] = {}
     for conc, by in logs.items():
         for key, xs in by.items():
-            n = len(xs)
-            mean = sum(xs) / n
-            se = statistics.stdev(xs) / math.sqrt(n) if n > 1 else None
-            out.setdefault(conc, {})[key] = {"rounds": n, "ratio": math.exp(mean),
-                                             "se": None if se is None else math.exp(mean) * se}
+            ratio, se = math.exp(statistics.fmean(xs)), log_se(xs)
+            out.setdefault(conc, {})[key] = {"rounds": len(xs), "ratio": ratio,
+                                             "se": None if se is None else ratio * se}
     return out
 
 
