@@ -459,6 +459,29 @@ def test_block_sizes_budgets_and_adaptive_depth(models, reference, tree, block_s
         assert ctrl._tree_profile and ctrl._tree_predicted > 0
 
 
+def test_calibration_strews_its_dummy_sequences_over_the_pool(models, monkeypatch):
+    """The start-up calibration times passes over blocks scattered as a served batch's are
+    (the pool recycles blocks first in, first out): over neighbouring blocks the gathers cost
+    less, and not by one factor across depths (spec.py, _calibrate)."""
+    from specserve.runner import ForwardInput
+
+    tables, add = [], ForwardInput.add
+
+    def record(self, token_ids, positions, slots, block_table, *a, **kw):
+        tables.append(list(block_table))
+        return add(self, token_ids, positions, slots, block_table, *a, **kw)
+    monkeypatch.setattr(ForwardInput, "add", record)
+    llm = make_llm(models, "weak", depth=4, block_size=4, num_blocks=128, spec_mode="adaptive")
+    steps = [(a, b) for t in tables for a, b in zip(t, t[1:])]
+    assert len(steps) > 100
+    neighbours = sum(b == a + 1 for a, b in steps)
+    assert neighbours < 0.1 * len(steps), f"{neighbours} of {len(steps)} block steps are neighbours"
+    used = {b for t in tables for b in t}
+    assert max(used) > 0.75 * 128 and min(used) < 0.25 * 128   # over the whole pool
+    assert all(len(set(t)) == len(t) for t in tables)            # a sequence's own blocks
+    llm.engine.pool.check_all_free()
+
+
 @pytest.mark.parametrize("draft_vocab", [416, 400])
 def test_draft_with_a_differently_padded_vocabulary(models, tmp_path, draft_vocab):
     """Real pairs share a tokenizer but not always an embedding size (Qwen2.5-7B: 152064,
