@@ -190,6 +190,32 @@ def warmup_args(base_url: str, model: str, requests: int, concurrencies: list[in
             "--max-concurrency", str(top), "--no-progress"] + extra
 
 
+def cell_order(settings: list[str], index: int) -> list[str]:
+    """The order of the settings' cells at one concurrency of one round (``index`` = concurrency
+    position + round): the rows of a Williams square, so that over ``len(settings)`` indices
+    (twice that for an odd number of settings) each setting runs once in every position and
+    follows every other setting once. The plain rotation this replaced kept every setting's
+    neighbours for good: in the full sweeps adaptive always followed static6 in the server they
+    share, and static3 static2, so whatever a cell leaves in the process (its KV blocks' order
+    in the pool, the allocator's heap) reached one setting only; at 64 requests adaptive's
+    depth-3 passes ran 3% dearer than static3's over 32 rounds (the forty-second session)."""
+    n = len(settings)
+    if n < 3:
+        return settings[index % n:] + settings[:index % n] if n else []
+    base, lo, hi = [0], 1, n - 1   # 0, 1, n-1, 2, n-2, ...: every step between neighbours once
+    while len(base) < n:
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    row = index % (n if n % 2 == 0 else 2 * n)
+    order = [(b + row) % n for b in base]
+    if row >= n:   # odd n: the mirrored square balances the steps the first one repeats
+        order = [(b + row - n) % n for b in base][::-1]
+    return [settings[i] for i in order]
+
+
 def markdown_table(results: list[dict]) -> str:
     head = ("| setting | conc | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
             "| TPOT p50 ms | mean acc. len |\n|---|---|---|---|---|---|---|---|---|---|")
@@ -248,8 +274,9 @@ def main(argv=None):
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--interleave", action="store_true",
                    help="start every setting's server at once (ports --port, --port + 1, ...) and run the "
-                        "settings one after another at each concurrency, in an order rotated per "
-                        "concurrency and round: a slow spell of the machine then hits every setting "
+                        "settings one after another at each concurrency, in an order that changes with the "
+                        "concurrency and round (cell_order: each setting in every place and after every "
+                        "other setting alike): a slow spell of the machine then hits every setting "
                         "alike instead of whichever setting's turn it was")
     p.add_argument("--rounds", type=int, default=1,
                    help="with --interleave: repeat the whole schedule, each round with its own prompt draw "
@@ -394,8 +421,7 @@ def main(argv=None):
                 dest.mkdir(parents=True, exist_ok=True)
                 results = []
                 for j, conc in enumerate(args.concurrency):
-                    shift = (j + r) % len(settings)
-                    for setting in settings[shift:] + settings[:shift]:
+                    for setting in cell_order(settings, j + r):
                         results.append(run_cell(setting, bases[setting], conc, dest, r))
                 finish(results, dest)
         finally:

@@ -277,6 +277,25 @@ def test_sweep_against_running_servers_writes_table_and_plots(tmp_path):
         assert cell["config"]["seed"] == r
 
 
+@pytest.mark.parametrize("n", [3, 4, 5, 8])
+def test_sweep_cell_order_puts_each_setting_everywhere_and_after_every_other_alike(n):
+    """--interleave's order of cells: over n rounds (2n for odd n) every setting runs once (twice)
+    in every position and right after every other setting once (twice); a rotation kept the
+    same neighbours every round."""
+    from collections import Counter
+
+    from benchmarks.sweep import cell_order
+
+    settings = [f"s{i}" for i in range(n)]
+    rows = [cell_order(settings, i) for i in range(n if n % 2 == 0 else 2 * n)]
+    times = 1 if n % 2 == 0 else 2
+    assert all(sorted(r) == settings for r in rows)
+    assert set(Counter((s, r.index(s)) for r in rows for s in r).values()) == {times}
+    after = Counter((r[k], r[k + 1]) for r in rows for k in range(n - 1))
+    assert len(after) == n * (n - 1) and set(after.values()) == {times}
+    assert cell_order(settings, len(rows)) == rows[0]
+
+
 def test_sweep_report_pools_rounds_and_checks_the_criteria():
     """Three rounds per cell: throughput is all tokens over all time (not the median round's),
     latencies come from the median round, and the issue-6 checks read the pooled figures."""
