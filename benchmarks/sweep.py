@@ -193,16 +193,19 @@ def warmup_args(base_url: str, model: str, requests: int, concurrencies: list[in
 def cell_order(settings: list[str], index: int) -> list[str]:
     """The order of the settings' cells at one concurrency of one round (``index`` = concurrency
     position + round): the rows of a Williams square, so that over ``len(settings)`` indices
-    (twice that for an odd number of settings) each setting runs once in every position and
-    follows every other setting once. The plain rotation this replaced kept every setting's
+    each setting runs once in every place and right after every other setting once (twice over
+    the 2n indices of an odd number n). The plain rotation this replaced kept every setting's
     neighbours for good: in the full sweeps adaptive always followed static6 in the server they
     share, and static3 static2, so whatever a cell leaves in the process (its KV blocks' order
     in the pool, the allocator's heap) reached one setting only; at 64 requests adaptive's
-    depth-3 passes ran 3% dearer than static3's over 32 rounds (the forty-second session)."""
+    depth-3 passes ran 3% dearer than static3's over 32 rounds (the forty-second session).
+    The balance is within a row: with --one-process the settings served apart (none, the
+    variants) run between the shared server's cells, and one concurrency's last cell always
+    comes before the next one's first."""
     n = len(settings)
-    if n < 3:
-        return settings[index % n:] + settings[:index % n] if n else []
-    base, lo, hi = [0], 1, n - 1   # 0, 1, n-1, 2, n-2, ...: every step between neighbours once
+    if not n:
+        return []
+    base, lo, hi = [0], 1, n - 1   # 0, 1, n-1, 2, n-2, ...: for even n every step between cells once
     while len(base) < n:
         base.append(lo)
         lo += 1
@@ -210,9 +213,9 @@ def cell_order(settings: list[str], index: int) -> list[str]:
             base.append(hi)
             hi -= 1
     row = index % (n if n % 2 == 0 else 2 * n)
-    order = [(b + row) % n for b in base]
-    if row >= n:   # odd n: the mirrored square balances the steps the first one repeats
-        order = [(b + row - n) % n for b in base][::-1]
+    order = [(b + row % n) % n for b in base]
+    if row >= n:   # odd n: the mirrored rows take the steps the first n repeat
+        order.reverse()
     return [settings[i] for i in order]
 
 

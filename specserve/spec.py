@@ -270,7 +270,8 @@ class Speculator:
         the draft levels of a whole step at a few depths, all at `context` tokens per sequence;
         and what the context adds to a verify pass and to a draft level, from the same passes
         at each of `longer_contexts` tokens per sequence.
-        The pool is empty at start-up, so the dummy sequences share its first blocks."""
+        The pool is empty at start-up: the dummy sequences take their blocks from a fixed shuffle
+        of it (see `batch`)."""
         if self.controller is None:
             return
         engine = self.engine
