@@ -198,7 +198,8 @@ def cell_order(settings: list[str], index: int) -> list[str]:
     neighbours for good: in the full sweeps adaptive always followed static6 in the server they
     share, and static3 static2, so whatever a cell leaves in the process (its KV blocks' order
     in the pool, the allocator's heap) reached one setting only; at 64 requests adaptive's
-    depth-3 passes ran 3% dearer than static3's over 32 rounds (the forty-second session).
+    depth-3 passes ran 3% dearer than static3's over 32 rounds (the forty-second session), and
+    1.001x as dear over the 17 rounds of this order (s44a).
     The balance is within a row: with --one-process the settings served apart (none, the
     variants) run between the shared server's cells, and one concurrency's last cell always
     comes before the next one's first."""
