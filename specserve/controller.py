@@ -418,7 +418,15 @@ def _best_per_depth(scores: dict[Plan, tuple[float, float]]) -> dict[int, tuple[
 
 def _bucket(x: int) -> int:
     """Smallest power of two >= x (x >= 1)."""
-    return 1 << max(0, int(x) - 1).bit_length()
+    b = _BUCKETS.get(x)
+    if b is None:
+        b = 1 << max(0, int(x) - 1).bit_length()
+        if len(_BUCKETS) < 4096:
+            _BUCKETS[x] = b
+    return b
+
+
+_BUCKETS: dict = {}   # x -> _bucket(x): asked about the same few batch sizes a dozen times a step
 
 
 def _bucket_weights(buckets: list[int], batch_size: int) -> list[tuple[int, float]]:
@@ -487,6 +495,26 @@ def _interp_points(points: list[_EmaPoint], x: float, xs: list[float] | None = N
     return max(t, 0.1 * points[0].t)
 
 
+def _interp_xt(xs: list[float], ts: list[float], x: float) -> float:
+    """_interp_points over the points' x and t as two lists, to the last bit the same (a
+    row's plan reads it a dozen times a step)."""
+    n = len(xs)
+    if n == 1:
+        px, pt = xs[0], ts[0]
+        return pt * (0.5 + 0.5 * x / px) if px > 0 else pt
+    i = bisect.bisect_left(xs, x)
+    if 0 < i < n:
+        xl, xh, tl, th = xs[i - 1], xs[i], ts[i - 1], ts[i]
+        slope = (th - tl) / (xh - xl) if xh > xl else 0.0
+    else:   # extrapolating: never cheaper with more tokens
+        j = 1 if i == 0 else n - 1
+        xl, xh, tl, th = xs[j - 1], xs[j], ts[j - 1], ts[j]
+        slope = max(0.0, (th - tl) / (xh - xl) if xh > xl else 0.0)
+    t = tl + slope * (x - xl)
+    floor = 0.1 * ts[0]
+    return floor if floor > t else t
+
+
 class _ContextCurves:
     """What the context adds to a pass at one batch bucket, per rows per sequence: seconds per
     sequence over the reference context, piecewise-linear in the context per sequence between
@@ -538,6 +566,29 @@ class _ContextCurves:
         return {r: e[-1] / span for r, e in zip(self.rows, self.excess)}
 
 
+def _pooled(ts: list[float]) -> list[float]:
+    """What _pool_adjacent_violators makes of points with these t, as a new list (the same
+    list when they never fall, the usual case)."""
+    prev = None
+    for t in ts:
+        if prev is not None and prev > t:
+            break
+        prev = t
+    else:
+        return ts
+    blocks: list[list[float]] = []
+    for t in ts:
+        blocks.append([t, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, n = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += n
+    out: list[float] = []
+    for total, n in blocks:
+        out.extend([total / n] * n)
+    return out
+
+
 def _pool_adjacent_violators(points: list[_EmaPoint]) -> None:
     """Make the points' t non-decreasing in x, in place, by averaging each run that falls
     (isotonic regression, weights equal). A pass over more rows or more draft levels does more
@@ -579,14 +630,15 @@ class _Row:
     Each point also keeps an EMA ``t`` of its measurements and ``x`` of its token counts; ``t``
     is what a stand-in reads, and a measured point's ``t`` is no longer read."""
 
-    __slots__ = ("points", "level", "key", "_current", "_xs", "standin_ratio", "_standins_replaced", "_last_key")
+    __slots__ = ("points", "level", "key", "_ts", "_xs", "standin_ratio", "_standins_replaced", "_last_key")
 
     def __init__(self, key: Callable[[int], int] = None):
         self.points: dict[int, _EmaPoint] = {}
         self.level = 1.0
         self.key = key or _bucket   # x -> the point it updates (token counts: power-of-two buckets)
-        self._current: list[_EmaPoint] | None = None   # cache of current(), until the next observe
-        self._xs: list[float] = []                     # and of its points' x
+        # The points as current() reads them, as their x and t, until the next observe.
+        self._xs: list[float] = []
+        self._ts: list[float] | None = None
         # Stand-ins not yet replaced are read times the mean ratio the replaced ones showed
         # (first real measurement over its stand-in). The calibration's bare draft forwards
         # miss the host work of each level and, in a server, the event loop's share of the
@@ -599,16 +651,24 @@ class _Row:
         self._last_key: int | None = None   # the point the last online measurement updated
 
     def current(self) -> list[_EmaPoint]:
-        """The points at today's level, sorted by token count (copies; do not modify)."""
-        if self._current is not None:
-            return self._current
-        out = []
-        for k in sorted(self.points):
-            p = self.points[k]
+        """The points at today's level, sorted by token count (copies)."""
+        self._curve()
+        return [_EmaPoint(x, t) for x, t in zip(self._xs, self._ts)]
+
+    def _curve(self) -> list[float]:
+        """current()'s t (its x in ``self._xs``), kept until the next observe."""
+        if self._ts is not None:
+            return self._ts
+        xs, ts = [], []
+        level, standin_ratio = self.level, self.standin_ratio
+        points = self.points
+        for k in sorted(points):
+            p = points[k]
+            xs.append(p.x)
             if p.ref_count == 0:   # a stand-in: as calibrated, moved with the level since
-                out.append(_EmaPoint(p.x, p.t * self.level / p.level * self.standin_ratio))
+                ts.append(p.t * level / p.level * standin_ratio)
             else:                  # measured: its place in the row's shape, at today's level
-                out.append(_EmaPoint(p.x, p.ref * self.level))
+                ts.append(p.ref * level)
         # Not smoothed toward a straight row: the verify pass zig-zags over rows (in the
         # server at 16 sequences 32.9, 31.4, 37.1, 41.5 ms at 3, 4, 5, 6 rows, the nineteenth
         # session's step logs), and read halfway to its neighbours' line each point lost its
@@ -618,20 +678,19 @@ class _Row:
         # it: soon next to the plan (explorations, one step in ``explore_interval``), only
         # when the plan comes near for a point further off (the worst run of
         # test_noisy_costs_do_not_hold_the_plan_away_from_the_best_depth).
-        _pool_adjacent_violators(out)
-        self._current = out
-        self._xs = [q.x for q in out]
-        return out
+        self._xs, self._ts = xs, _pooled(ts)
+        return self._ts
 
     def predict(self, num_tokens: float) -> float:
-        points = self.current()
-        return _interp_points(points, num_tokens, self._xs)
+        ts = self._curve()
+        return _interp_xt(self._xs, ts, num_tokens)
 
     def shape_many(self, xs: Sequence[float]) -> list[float]:
         """predict() at each of xs over the row's level: the row's shape, which another
         bucket's row can be read beside whatever the two levels have drifted to."""
-        points = self.current()
-        return [_interp_points(points, x, self._xs) / self.level for x in xs]
+        ts = self._curve()
+        px, level = self._xs, self.level
+        return [_interp_xt(px, ts, x) / level for x in xs]
 
     def nudge_level(self, ratio: float, level_alpha: float) -> None:
         """A measurement `ratio` times what the row predicted, that tells its level and nothing
@@ -640,7 +699,7 @@ class _Row:
         reference or comparison changes."""
         if level_alpha > 0:
             self.level *= 1.0 + level_alpha * (min(max(ratio, 0.5), 2.0) - 1.0)
-            self._current = None
+            self._ts = None
 
     def observe(self, num_tokens: int, seconds: float, alpha: float, level_alpha: float,
                 is_reference: bool = False, provisional: bool = False, key: int | None = None,
@@ -649,7 +708,7 @@ class _Row:
         provisional: a stand-in (a calibration that does not run the way the engine's steps
         do) used until the first real measurement, which then replaces it outright, value
         and reference, without moving the level."""
-        self._current = None
+        self._ts = None
         tb = self.key(num_tokens) if key is None else key
         p = self.points.get(tb)
         if provisional:
@@ -742,8 +801,11 @@ def _between(lo: _Row, hi: _Row, w: float, xs_lo: Sequence[float], xs_hi: Sequen
     """A pass between two buckets' batch sizes, `w` of the way from the lower to the upper:
     the two rows' shapes (at xs_lo and xs_hi) interpolated, at the upper row's level (see
     "Between buckets" in the module docstring)."""
-    s_lo, s_hi = lo.shape_many(xs_lo), hi.shape_many(xs_hi)
-    return [hi.level * ((1.0 - w) * x + w * y) for x, y in zip(s_lo, s_hi)]
+    ts_lo, ts_hi = lo._curve(), hi._curve()   # (shape_many of each, as one loop)
+    px_lo, px_hi, level_lo, level_hi = lo._xs, hi._xs, lo.level, hi.level
+    v = 1.0 - w
+    return [level_hi * (v * (_interp_xt(px_lo, ts_lo, x) / level_lo) + w * (_interp_xt(px_hi, ts_hi, y) / level_hi))
+            for x, y in zip(xs_lo, xs_hi)]
 
 
 class CostModel:
@@ -861,8 +923,10 @@ class CostModel:
             return 0.0
         B = max(1, batch_size)
         per_seq = context_tokens / B
-
-        return B * _across_batch_buckets(sorted(table), B, lambda b: table[b].at(per_seq, rows))
+        total = 0
+        for b, w in _bucket_weights(sorted(table), B):   # (as _across_batch_buckets reads them)
+            total += w * table[b].at(per_seq, rows)
+        return B * total
 
     def _strip_context(self, table: dict[int, _ContextCurves], batch_size: int, context_tokens: int | None,
                        seconds: float, levels: int = 1, rows: float = 1.0) -> float:
@@ -968,8 +1032,17 @@ class CostModel:
         if self._between_buckets(B):
             bases = self._verify_at(B, [n / B for n in token_counts])
         else:
-            weights = [(self._verify[b], w) for b, w in _bucket_weights(sorted(self._verify), batch_size)]
-            bases = [sum(w * row.predict(n) for row, w in weights) for n in token_counts]
+            curves = []
+            for b, w in _bucket_weights(sorted(self._verify), batch_size):
+                row = self._verify[b]
+                ts = row._curve()
+                curves.append((row._xs, ts, w))
+            bases = []
+            for n in token_counts:   # (each row's predict(), summed over the buckets)
+                base = 0
+                for xs, ts, w in curves:
+                    base += w * _interp_xt(xs, ts, n)
+                bases.append(base)
         # The context term: its batch buckets and contexts looked up once, read per rows.
         terms = ([(curves, w, curves.at_context(context_tokens / B))
                   for b, w in _bucket_weights(sorted(self._ctx_verify), B) for curves in (self._ctx_verify[b],)]
@@ -977,8 +1050,11 @@ class CostModel:
         out = []
         for n, base in zip(token_counts, bases):
             rows = n / B
-            excess = B * sum(w * curves.over_rows(values, rows) for curves, w, values in terms)
-            out.append(max(0.1 * base, base + excess))
+            excess = 0
+            for curves, w, values in terms:
+                excess += w * curves.over_rows(values, rows)
+            t, floor = base + B * excess, 0.1 * base
+            out.append(t if t > floor else floor)
         return out
 
     def _between_buckets(self, batch_size: int) -> bool:
@@ -1036,17 +1112,24 @@ class CostModel:
         if self._draft_between_buckets(batch_size):
             bases = self._draft_at(batch_size, [max(d, 1) for d in depths])
             return [0.0 if d <= 0 else max(0.1 * base, base + d * excess) for d, base in zip(depths, bases)]
-        weights = _bucket_weights(buckets, batch_size)
+        reads = []   # per bucket: (its row's x and t, or None: its per-level time), weight
+        for b, w in _bucket_weights(buckets, batch_size):
+            row = self._draft_rows.get(b)
+            if row is None:
+                reads.append((None, self._draft[b].t, w))
+            else:
+                ts = row._curve()
+                reads.append((row._xs, ts, w))
         out = []
         for d in depths:
             if d <= 0:
                 out.append(0.0)
                 continue
             base = 0.0
-            for b, w in weights:
-                row = self._draft_rows.get(b)
-                base += w * (row.predict(d) if row is not None else d * self._draft[b].t)
-            out.append(max(0.1 * base, base + d * excess))
+            for xs, ts, w in reads:   # (each row's predict())
+                base += w * (_interp_xt(xs, ts, d) if xs is not None else d * ts)
+            t, floor = base + d * excess, 0.1 * base
+            out.append(t if t > floor else floor)
         return out
 
     def t_verify(self, batch_size: int, num_tokens: int, context_tokens: int | None = None) -> float:
@@ -1141,14 +1224,16 @@ class _Bias:
         if self.tokens_pred <= 0.0 or self.time_r <= 0.0 or n <= 0.0:
             return None
         mean = self.sum_r / self.weight
-        var = (max(0.0, self.sum_r2 - self.weight * mean * mean) * f + 8.0 * noise_sd ** 2) / (n + 8.0)
+        spread = self.sum_r2 - self.weight * mean * mean
+        var = ((spread if spread > 0.0 else 0.0) * f + 8.0 * noise_sd ** 2) / (n + 8.0)
         ratio = (self.tokens / self.tokens_pred) / (self.time_r / self.weight)
-        ratio = min(hi, max(lo, ratio))
+        ratio = ratio if ratio > lo else lo
+        ratio = ratio if ratio < hi else hi
         # What is left inside the dead band is noise as often as not, and on a flat top a
         # few percent either way moves the plan: only the excess over the band, or over the
         # posterior's sd where that is wider (thin evidence), corrects.
-        band = max(deadband, math.sqrt(1.0 / (1.0 / prior_sd ** 2 + n / var)))
-        return ratio, n, var, band
+        band = math.sqrt(1.0 / (1.0 / prior_sd ** 2 + n / var))
+        return ratio, n, var, (band if band > deadband else deadband)
 
     @staticmethod
     def shifted(evidence: tuple[float, float, float, float] | None, centre: float, prior_sd: float) -> float:
@@ -1163,7 +1248,8 @@ class _Bias:
             return centre
         ratio, n, var, band = evidence
         shift = (ratio - centre) * n / (n + var / prior_sd ** 2)
-        return centre + math.copysign(max(0.0, abs(shift) - band), shift)
+        excess = abs(shift) - band
+        return centre + math.copysign(excess if excess > 0.0 else 0.0, shift)
 
 
 @dataclass
@@ -1351,6 +1437,9 @@ class AdaptiveController:
         # step costs, not any acceptance figure, pushed it to speculate (eighth session).
         if max_depth and probe_interval > 0:
             self._steps_since_seen[0] = probe_interval
+        # Each depth's node budgets, and the chain plans (what every evaluation reads).
+        self._all_budgets = [self._node_budgets(d) for d in range(max_depth + 1)]
+        self._chain_plans = [Plan(d, d) for d in range(max_depth + 1)]
         self._num_seen = [0] * max_depth           # observations of position k, ever
         self._weight = [0.0] * max_depth           # observations of position k, fading when stale
 
@@ -1555,9 +1644,15 @@ class AdaptiveController:
         requests = self._requests
         for rid, cap in zip(ids, caps):
             r = requests.get(rid)
+            accs = g if r is None else [(c * e + s * gk) / (c + s) for c, e, gk in zip(r.count, r.ema, g)]
             prefix = 1.0
+            if cont is None and not trees:   # (the usual case, a plain chain: the same sums)
+                for k in range(cap if cap < K else K):
+                    prefix *= accs[k]
+                    gained[k] += prefix
+                continue
             for k in range(min(cap, K)):
-                a = g[k] if r is None else (r.count[k] * r.ema[k] + s * g[k]) / (r.count[k] + s)
+                a = accs[k]
                 if cont is not None:
                     a *= cont[k]
                 if trees:
@@ -1575,7 +1670,7 @@ class AdaptiveController:
             out[Plan(0, 0)] = (0.0, 1.0)
             return out
         # Every cost this step reads, in two lookups (a plan is made every engine step).
-        all_budgets = [self._node_budgets(d) for d in range(self.max_depth + 1)]
+        all_budgets = self._all_budgets
         # Rows verified: each sequence's pending token and its nodes; a request capped below
         # the plan's depth has its tree cut there (a chain's nodes to its cap).
         short = [c for c in caps if c < self.max_depth]   # usually none, or the few near their end
@@ -1592,7 +1687,16 @@ class AdaptiveController:
                 return max(float(B), B * (1.0 + cum_reach[d]) - scale * cut)
             cut = sum(n - c for c in short if c < d and c < n)
             return max(B, round(B * (n + 1) - scale * cut))
-        plan_rows = {(d, n): rows(d, n) for d, budgets in enumerate(all_budgets) for n in budgets}
+        if trees:
+            plan_rows = {(d, n): rows(d, n) for d, budgets in enumerate(all_budgets) for n in budgets}
+        elif short:
+            plan_rows = {(d, d): rows(d, d) for d in range(K + 1)}
+        else:   # chains, none capped (as rows() reads them)
+            fB = float(B)
+            plan_rows = {}
+            for d in range(K + 1):
+                x = B * (1.0 + cum_reach[d])
+                plan_rows[d, d] = x if x > fB else fB
         token_counts = sorted(set(plan_rows.values()))
         verify = dict(zip(token_counts, self.costs.t_verify_many(B, token_counts, ctx)))
         t_verify0 = verify[B]
@@ -1617,7 +1721,17 @@ class AdaptiveController:
         t_step = self.costs.t_overhead(B)
         # Each depth's best plan: (goodput, draft seconds, verify seconds), for the step log.
         parts: dict[int, tuple[float, float, float]] = {}
-        for d in range(self.max_depth + 1):
+        if not trees:   # one plan a depth, its nodes its depth
+            for d, plan in enumerate(self._chain_plans):
+                total = chain[d] * scale
+                v = verify[plan_rows[d, d]]
+                cost = t_step + drafts[d] + v
+                if cost > 0:
+                    out[plan] = (total / cost, total / B)
+                    parts[d] = (total / cost, drafts[d], v)
+                else:
+                    out[plan] = (0.0, total / B)
+        for d in range(self.max_depth + 1) if trees else ():
             budgets = all_budgets[d]
             gains = self._alternate_gains(miss, d, budgets[-1] - d) if d else []
             cum = [0.0]
@@ -2109,22 +2223,28 @@ class AdaptiveController:
         alt_counts = self._alternate_counts(d, stats.num_nodes, self.acceptance) if is_tree else []
         ga, ra = self.acceptance_alpha, self.request_alpha
         carried = self.global_acceptance()
-        hits, seen = [0.0] * self.max_depth, [0] * self.max_depth   # this step's observations per position
+        K = self.max_depth
+        hits, seen = [0.0] * K, [0] * K   # this step's observations per position
+        requests = self._requests
+        keep = 1.0 - self.request_stale_decay
+        seq_depths, drafted_depths = stats.seq_depths, stats.drafted_depths
+        with_ranks = bool(is_tree and stats.accepted_ranks)
         for i, (rid, n_acc) in enumerate(zip(stats.request_ids, stats.num_accepted)):
-            ranks = stats.accepted_ranks[i] if (is_tree and stats.accepted_ranks) else None
-            r = self._requests.get(rid)
+            ranks = stats.accepted_ranks[i] if with_ranks else None
+            r = requests.get(rid)
             if r is None:
-                r = self._requests[rid] = _RequestAcceptance(
-                    self.global_acceptance(), [0] * self.max_depth)
+                r = requests[rid] = _RequestAcceptance(list(carried), [0] * K)
             r.tokens += n_acc + 1
-            d_i = min(d, stats.seq_depths[i]) if stats.seq_depths else d
-            drafted = d_i if stats.drafted_depths is None else min(d_i, stats.drafted_depths[i])
+            d_i = min(d, seq_depths[i]) if seq_depths else d
+            drafted = d_i if drafted_depths is None else min(d_i, drafted_depths[i])
+            observed = min(n_acc + 1, d_i, drafted)
+            ema, count = r.ema, r.count
             # A position the early stop left undrafted is not observed: what a chain accepts
             # where it was drafted is the draft's, and how often it is drafted there is the
             # continuation's (evaluate multiplies the two). Counted as not accepted, it held
             # deep positions at a fraction of their acceptance after a spell of one or two
             # sequences, and larger batches, whose chains are not stopped, read them so.
-            for k in range(min(n_acc + 1, d_i, drafted)):   # position k+1
+            for k in range(observed):   # position k+1
                 if ranks is not None and k < n_acc and ranks[k] > 0:
                     spine = 0.0   # an alternate won at this depth: the first choice was rejected
                     if alt_counts and alt_counts[k] > 0:
@@ -2137,25 +2257,26 @@ class AdaptiveController:
                         self.sibling_acceptance += ga * (0.0 - self.sibling_acceptance)
                 hits[k] += spine
                 seen[k] += 1
-                r.ema[k] += ra * (spine - r.ema[k])
-                r.count[k] += 1
+                ema[k] += ra * (spine - ema[k])
+                count[k] += 1
                 if spine == 0.0:
                     break
             # A request's positions without fresh data lose weight, back toward the global.
-            for k in range(min(n_acc + 1, d_i, drafted), self.max_depth):
-                r.count[k] *= 1.0 - self.request_stale_decay
+            for k in range(observed, K):
+                count[k] *= keep
         self._update_global_acceptance(hits, seen, carried)
         # Positions the step verified have fresh data; the others drift toward the position
         # above (position 1: toward the prior), so a stale low estimate recovers slowly and
         # the plan reaches that depth again to re-measure it.
-        for k in range(self.max_depth):
-            if k < d:
-                self._steps_since_seen[k] = 0
-            else:
-                self._steps_since_seen[k] += 1
-                self._weight[k] *= 1.0 - self.weight_decay
-                target = self.prior_acceptance if k == 0 else self.acceptance[k - 1]
-                self.acceptance[k] += self.stale_decay * (target - self.acceptance[k])
+        since, weight, acc = self._steps_since_seen, self._weight, self.acceptance
+        fade, stale = 1.0 - self.weight_decay, self.stale_decay
+        for k in range(min(d, K)):
+            since[k] = 0
+        for k in range(max(d, 0), K):
+            since[k] += 1
+            weight[k] *= fade
+            target = self.prior_acceptance if k == 0 else acc[k - 1]
+            acc[k] += stale * (target - acc[k])
 
     def _update_global_acceptance(self, hits: list[float], seen: list[int], carried: list[float]) -> None:
         """One step's observations of each position (``seen[k]`` sequences reached position

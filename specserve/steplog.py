@@ -50,9 +50,10 @@ timings: at high load they are most of the target's time. A line is written per 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import IO
+
+import msgspec
 
 from specserve.errors import ConfigError
 
@@ -62,16 +63,23 @@ class StepLog:
         path = Path(path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file: IO[str] | None = open(path, "a", buffering=1)
+            # Unbuffered: each line reaches the file as the step ends (one write call, as
+            # line buffering made it).
+            self._file: IO[bytes] | None = open(path, "ab", buffering=0)
         except OSError as e:
             raise ConfigError(f"step_log: cannot write {path}: {e.strerror or e}") from e
         self.path = path
 
     def write(self, record: dict) -> None:
+        # msgspec: a sixth of json.dumps's time, which every step of a benchmark pays (about
+        # 16 us a record on the dev CPU against 3; a non-finite float is written as null).
         if self._file is not None:
-            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+            self._file.write(_ENCODER.encode(record) + b"\n")
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+_ENCODER = msgspec.json.Encoder()
