@@ -446,11 +446,6 @@ def _bucket_weights(buckets: list[int], batch_size: int) -> list[tuple[int, floa
     return [(lo, 1.0 - f), (hi, f)]
 
 
-def _across_batch_buckets(buckets: list[int], batch_size: int, at: Callable[[int], float]) -> float:
-    """`at(bucket)` read across the measured batch buckets as :func:`_bucket_weights` says."""
-    return sum(w * at(b) for b, w in _bucket_weights(buckets, batch_size))
-
-
 class _EmaPoint:
     __slots__ = ("x", "t", "count", "ref", "ref_count", "level")
 
@@ -924,7 +919,7 @@ class CostModel:
         B = max(1, batch_size)
         per_seq = context_tokens / B
         total = 0
-        for b, w in _bucket_weights(sorted(table), B):   # (as _across_batch_buckets reads them)
+        for b, w in _bucket_weights(sorted(table), B):
             total += w * table[b].at(per_seq, rows)
         return B * total
 
