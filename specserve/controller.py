@@ -470,29 +470,12 @@ def _interp_points(points: list[_EmaPoint], x: float, xs: list[float] | None = N
     """Piecewise-linear through points sorted by x; linear extrapolation with the end
     segments' slopes (never negative); one point: half fixed, half proportional to x.
     xs: the points' x, when the caller has them."""
-    if len(points) == 1:
-        p = points[0]
-        return p.t * (0.5 + 0.5 * x / p.x) if p.x > 0 else p.t
-    if xs is None:
-        xs = [p.x for p in points]
-    i = bisect.bisect_left(xs, x)
-    inside = 0 < i < len(points)
-    if i == 0:
-        lo, hi = points[0], points[1]
-    elif i >= len(points):
-        lo, hi = points[-2], points[-1]
-    else:
-        lo, hi = points[i - 1], points[i]
-    slope = (hi.t - lo.t) / (hi.x - lo.x) if hi.x > lo.x else 0.0
-    if not inside:   # extrapolating: never cheaper with more tokens
-        slope = max(0.0, slope)
-    t = lo.t + slope * (x - lo.x)
-    return max(t, 0.1 * points[0].t)
+    return _interp_xt([p.x for p in points] if xs is None else xs, [p.t for p in points], x)
 
 
 def _interp_xt(xs: list[float], ts: list[float], x: float) -> float:
-    """_interp_points over the points' x and t as two lists, to the last bit the same (a
-    row's plan reads it a dozen times a step)."""
+    """_interp_points over the points' x and t as two lists (a row's plan reads it a dozen
+    times a step)."""
     n = len(xs)
     if n == 1:
         px, pt = xs[0], ts[0]
@@ -562,8 +545,8 @@ class _ContextCurves:
 
 
 def _pooled(ts: list[float]) -> list[float]:
-    """What _pool_adjacent_violators makes of points with these t, as a new list (the same
-    list when they never fall, the usual case)."""
+    """_pool_adjacent_violators over the points' t alone, as a new list (the same list when
+    they never fall, the usual case)."""
     prev = None
     for t in ts:
         if prev is not None and prev > t:
@@ -591,18 +574,8 @@ def _pool_adjacent_violators(points: list[_EmaPoint]) -> None:
     slow spell, and the fall would make the plan past it look cheaper than it is (at 64
     sequences the sixth session's logs had 8 rows read 8% cheaper than 7, and the controller
     ran depth 6-8 where 3 was best)."""
-    blocks: list[list[float]] = []   # [sum of t, count] per pooled run
-    for p in points:
-        blocks.append([p.t, 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            t, n = blocks.pop()
-            blocks[-1][0] += t
-            blocks[-1][1] += n
-    i = 0
-    for total, n in blocks:
-        for p in points[i:i + n]:
-            p.t = total / n
-        i += n
+    for p, t in zip(points, _pooled([p.t for p in points])):
+        p.t = t
 
 
 # How far one comparison with a neighbouring point (a measurement right after the row measured
@@ -625,15 +598,14 @@ class _Row:
     Each point also keeps an EMA ``t`` of its measurements and ``x`` of its token counts; ``t``
     is what a stand-in reads, and a measured point's ``t`` is no longer read."""
 
-    __slots__ = ("points", "level", "key", "_ts", "_xs", "standin_ratio", "_standins_replaced", "_last_key")
+    __slots__ = ("points", "level", "key", "_xt", "standin_ratio", "_standins_replaced", "_last_key")
 
     def __init__(self, key: Callable[[int], int] = None):
         self.points: dict[int, _EmaPoint] = {}
         self.level = 1.0
         self.key = key or _bucket   # x -> the point it updates (token counts: power-of-two buckets)
         # The points as current() reads them, as their x and t, until the next observe.
-        self._xs: list[float] = []
-        self._ts: list[float] | None = None
+        self._xt: tuple[list[float], list[float]] | None = None
         # Stand-ins not yet replaced are read times the mean ratio the replaced ones showed
         # (first real measurement over its stand-in). The calibration's bare draft forwards
         # miss the host work of each level and, in a server, the event loop's share of the
@@ -647,13 +619,12 @@ class _Row:
 
     def current(self) -> list[_EmaPoint]:
         """The points at today's level, sorted by token count (copies)."""
-        self._curve()
-        return [_EmaPoint(x, t) for x, t in zip(self._xs, self._ts)]
+        return [_EmaPoint(x, t) for x, t in zip(*self.curve())]
 
-    def _curve(self) -> list[float]:
-        """current()'s t (its x in ``self._xs``), kept until the next observe."""
-        if self._ts is not None:
-            return self._ts
+    def curve(self) -> tuple[list[float], list[float]]:
+        """current()'s x and t as two lists (do not modify), kept until the next observe."""
+        if self._xt is not None:
+            return self._xt
         xs, ts = [], []
         level, standin_ratio = self.level, self.standin_ratio
         points = self.points
@@ -673,19 +644,11 @@ class _Row:
         # it: soon next to the plan (explorations, one step in ``explore_interval``), only
         # when the plan comes near for a point further off (the worst run of
         # test_noisy_costs_do_not_hold_the_plan_away_from_the_best_depth).
-        self._xs, self._ts = xs, _pooled(ts)
-        return self._ts
+        self._xt = (xs, _pooled(ts))
+        return self._xt
 
     def predict(self, num_tokens: float) -> float:
-        ts = self._curve()
-        return _interp_xt(self._xs, ts, num_tokens)
-
-    def shape_many(self, xs: Sequence[float]) -> list[float]:
-        """predict() at each of xs over the row's level: the row's shape, which another
-        bucket's row can be read beside whatever the two levels have drifted to."""
-        ts = self._curve()
-        px, level = self._xs, self.level
-        return [_interp_xt(px, ts, x) / level for x in xs]
+        return _interp_xt(*self.curve(), num_tokens)
 
     def nudge_level(self, ratio: float, level_alpha: float) -> None:
         """A measurement `ratio` times what the row predicted, that tells its level and nothing
@@ -694,7 +657,7 @@ class _Row:
         reference or comparison changes."""
         if level_alpha > 0:
             self.level *= 1.0 + level_alpha * (min(max(ratio, 0.5), 2.0) - 1.0)
-            self._ts = None
+            self._xt = None
 
     def observe(self, num_tokens: int, seconds: float, alpha: float, level_alpha: float,
                 is_reference: bool = False, provisional: bool = False, key: int | None = None,
@@ -703,7 +666,7 @@ class _Row:
         provisional: a stand-in (a calibration that does not run the way the engine's steps
         do) used until the first real measurement, which then replaces it outright, value
         and reference, without moving the level."""
-        self._ts = None
+        self._xt = None
         tb = self.key(num_tokens) if key is None else key
         p = self.points.get(tb)
         if provisional:
@@ -796,8 +759,8 @@ def _between(lo: _Row, hi: _Row, w: float, xs_lo: Sequence[float], xs_hi: Sequen
     """A pass between two buckets' batch sizes, `w` of the way from the lower to the upper:
     the two rows' shapes (at xs_lo and xs_hi) interpolated, at the upper row's level (see
     "Between buckets" in the module docstring)."""
-    ts_lo, ts_hi = lo._curve(), hi._curve()   # (shape_many of each, as one loop)
-    px_lo, px_hi, level_lo, level_hi = lo._xs, hi._xs, lo.level, hi.level
+    (px_lo, ts_lo), (px_hi, ts_hi) = lo.curve(), hi.curve()
+    level_lo, level_hi = lo.level, hi.level
     v = 1.0 - w
     return [level_hi * (v * (_interp_xt(px_lo, ts_lo, x) / level_lo) + w * (_interp_xt(px_hi, ts_hi, y) / level_hi))
             for x, y in zip(xs_lo, xs_hi)]
@@ -1029,9 +992,7 @@ class CostModel:
         else:
             curves = []
             for b, w in _bucket_weights(sorted(self._verify), batch_size):
-                row = self._verify[b]
-                ts = row._curve()
-                curves.append((row._xs, ts, w))
+                curves.append((*self._verify[b].curve(), w))
             bases = []
             for n in token_counts:   # (each row's predict(), summed over the buckets)
                 base = 0
@@ -1113,8 +1074,7 @@ class CostModel:
             if row is None:
                 reads.append((None, self._draft[b].t, w))
             else:
-                ts = row._curve()
-                reads.append((row._xs, ts, w))
+                reads.append((*row.curve(), w))
         out = []
         for d in depths:
             if d <= 0:
@@ -1682,10 +1642,8 @@ class AdaptiveController:
                 return max(float(B), B * (1.0 + cum_reach[d]) - scale * cut)
             cut = sum(n - c for c in short if c < d and c < n)
             return max(B, round(B * (n + 1) - scale * cut))
-        if trees:
+        if trees or short:
             plan_rows = {(d, n): rows(d, n) for d, budgets in enumerate(all_budgets) for n in budgets}
-        elif short:
-            plan_rows = {(d, d): rows(d, d) for d in range(K + 1)}
         else:   # chains, none capped (as rows() reads them)
             fB = float(B)
             plan_rows = {}
