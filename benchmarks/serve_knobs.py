@@ -184,10 +184,10 @@ def install(knobs: dict[str, dict[str, object]], cls: type | None = None) -> Non
         name = getattr(self, "_knob_name", None)
         return {"mode": name} if name is not None and self.controller is not None else plain_setting(self)
 
-    def forget_history(self, request_id):
-        plain_forget_history(self, request_id)
+    def forget_history(self, request_id, num_tokens=None):
+        plain_forget_history(self, request_id, num_tokens)
         for c in getattr(self, "_knob_controllers", {}).values():
-            c.forget(request_id)
+            c.forget(request_id, num_tokens)
 
     cls.set_setting, cls.setting, cls.forget_history = set_setting, setting, forget_history
 

@@ -1485,14 +1485,18 @@ class AdaptiveController:
                 for d in sorted({min(d, self.max_depth) for d in draft_depths if d > 0}):
                     self.costs.observe_draft_total(b, d, float(measure_draft_total(b, d)), track_level=False)
 
-    def forget(self, request_id: Hashable) -> None:
-        """The request finished: drop its acceptance history (its decoded tokens count
-        toward the mean request's, see "Churn")."""
+    def forget(self, request_id: Hashable, num_tokens: int | None = None) -> None:
+        """The request finished: drop its acceptance history; the tokens it decoded count
+        toward the mean request's (see "Churn"). num_tokens: what it decoded after its
+        prompt's step, from the engine; None: what the steps reported to this controller
+        showed, which leaves out the plain steps (they report no requests), so a spell at
+        depth 0 would read every request as a few tokens long."""
         r = self._requests.pop(request_id, None)
-        if r is not None and r.tokens > 0:
+        tokens = num_tokens if num_tokens is not None else (r.tokens if r is not None else 0)
+        if tokens > 0:
             self._num_finished += 1
             w = max(self.churn_alpha, 1.0 / self._num_finished)
-            self.request_tokens += w * (r.tokens - self.request_tokens)
+            self.request_tokens += w * (tokens - self.request_tokens)
 
     def churn_factors(self, scores: dict[Plan, tuple[float, float]]) -> list[float]:
         """Per depth 0..max_depth, what a slot's rate keeps of the step's goodput at that depth's

@@ -131,7 +131,7 @@ class Speculator:
         spec = config.spec
         self.tree_kind = spec.tree if drafter.has_kv else "chain"
         self._step_stats = None  # this step's StepStats, completed by end_step()
-        self._forget_after_step: list[str] = []   # finished in this step: forgotten once it is reported
+        self._forget_after_step: list[tuple[str, int]] = []   # finished in this step (id, tokens decoded): forgotten once reported
         self._step_measured_s = 0.0  # its draft + verify time
         self.last_timing = (0.0, 0.0)  # the last step's draft and verify seconds, prefill or not (the step log)
         self.last_drafted = 0  # tree nodes the last step verified, all sequences together (the step log)
@@ -493,8 +493,8 @@ class Speculator:
                 stats.overhead_s = max(0.0, step_s - self._step_measured_s)
             self.controller.observe(stats)
         if self._forget_after_step:   # requests this step finished: reported, now forgotten
-            for request_id in self._forget_after_step:
-                self.forget_history(request_id)
+            for request_id, decoded in self._forget_after_step:
+                self.forget_history(request_id, decoded)
             self._forget_after_step.clear()
 
     def prefill_draft(self, batch: SchedulerOutput) -> None:
@@ -506,16 +506,20 @@ class Speculator:
         history once the step that finished it has been reported (end_step), since that
         report counts it and would otherwise start its history afresh."""
         self.drafter.forget(request)
+        # What it decoded after its prompt's step (whose token the churn counts apart): its
+        # slot's cycle, plain steps included, which report no requests to the controller.
+        decoded = max(0, request.num_output_tokens - 1)
         stats = self._step_stats
         if stats is not None and request.request_id in stats.request_ids:
-            self._forget_after_step.append(request.request_id)
+            self._forget_after_step.append((request.request_id, decoded))
         else:
-            self.forget_history(request.request_id)
+            self.forget_history(request.request_id, decoded)
 
-    def forget_history(self, request_id: str) -> None:
-        """Drop a finished request's acceptance history from the controllers."""
+    def forget_history(self, request_id: str, num_tokens: int | None = None) -> None:
+        """Drop a finished request's acceptance history from the controllers; num_tokens:
+        what it decoded (the mean request length, see "Churn" in controller.py)."""
         if self.adaptive is not None:   # detached or not: its per-request history goes either way
-            self.adaptive.forget(request_id)
+            self.adaptive.forget(request_id, num_tokens)
 
     # -- one step ------------------------------------------------------------------------
 

@@ -1213,6 +1213,27 @@ def test_the_mean_request_length_is_learnt_from_finished_requests():
         AdaptiveController(churn_steps=-1)
 
 
+def test_the_mean_request_length_counts_what_plain_steps_decoded():
+    """Plain steps report no requests, so a request served at depth 0 showed the controller
+    no tokens: its length came from its speculative steps alone (or it did not count), a
+    spell at depth 0 read every request as a few tokens long, and the churn it priced from
+    that held the plan at depth 0 (the forty-seventh session: after 32 requests of 4 tokens,
+    a batch of 16 requests of 64 ran 126 of its 128 steps plain, and the next batch 123).
+    The engine says what each request decoded when it finishes."""
+    ctrl = AdaptiveController(max_depth=4, churn_alpha=0.1)
+    for i in range(4):   # one speculative step each, then plain steps to the end
+        ctrl.observe(StepStats(batch_size=1, depth=2, num_nodes=2, draft_s=0.0, verify_s=0.0,
+                               num_accepted=[1], request_ids=[f"r{i}"]))
+        ctrl.forget(f"r{i}", num_tokens=63)
+    assert ctrl.request_tokens == pytest.approx(63.0)
+    ctrl.forget("plain-only", num_tokens=163)   # never reported by a step: still counts
+    assert ctrl.request_tokens == pytest.approx(63.0 + 0.2 * 100.0)
+    ctrl.forget("nothing-decoded", num_tokens=0)   # no decode step: no slot cycle to count
+    assert ctrl._num_finished == 5
+    scores = {Plan(d, d): (100.0, 1.0 + 0.8 * d) for d in range(5)}
+    assert ctrl.churn_factors(scores)[3] == pytest.approx(1.0 / (1.0 + 1.5 * 3.4 / 83.0))
+
+
 # Step goodput over depth as it stood at 16 requests on the CPU (the twenty-sixth and
 # twenty-seventh sessions' step logs): depths 3-5 within 1.5%, with the tokens a sequence
 # of 0.8 acceptance per position.

@@ -574,6 +574,25 @@ def test_finished_requests_leave_no_history_in_the_controller(models, reference)
     llm.engine.pool.check_all_free()
 
 
+def test_requests_served_by_plain_steps_count_at_their_length(models):
+    """What prices the churn (the mean request length) is what each request decoded, steps
+    at depth 0 included, whether the adaptive controller planned them or a static setting
+    had it detached: a spell of plain steps must not make requests look short."""
+    llm = make_llm(models, "weak", spec_mode="adaptive")
+    ctrl = llm.engine.spec.adaptive
+    llm.engine.set_speculation("static", 0)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
+    assert ctrl._num_finished == len(PROMPTS) and ctrl.request_tokens == pytest.approx(8.0)
+    # Adaptive, with every step plain: the same.
+    llm.engine.set_speculation("adaptive")
+    ctrl.plan = lambda *a: Plan(0, 0)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=21, temperature=0.0, ignore_eos=True))
+    assert llm.engine.spec.totals.num_drafts == 0
+    assert ctrl._num_finished == 2 * len(PROMPTS)
+    assert ctrl.request_tokens == pytest.approx(14.0)   # 8 and 20 as many times: a plain mean
+    llm.engine.pool.check_all_free()
+
+
 def _spy_trees(llm) -> list:
     """(stop_below, tree) of every tree the drafter proposes from now on."""
     seen = []
