@@ -328,7 +328,11 @@ prompt's and half a step's wait for the boundary): at depth 4 against 3 that is 
 throughput, at 5 2.8%, which the step goodput does not see, where the predictions of depths 3-5
 stood within 1-2% of each other. So the decision reads each depth's predicted goodput times
 ``1 / (1 + churn_steps * E_d / L)`` (``E_d`` the tokens a sequence of the depth's best plan),
-``L`` the mean tokens a request decoded over the last finished requests (none: no term). The
+``L`` the mean tokens a request decoded over the last finished requests (none: no term), or
+what the running requests have decoded so far where that is more: they will decode at least
+that, and an L learnt from a spell of short requests would otherwise hold the plan shallow
+until the first long ones end (the forty-seventh session: 63 plain steps of a batch of 16
+requests of 64 tokens, after 32 of 4, where the floor lets it speculate within ~10). The
 guard, the bias and the step log's predictions keep the step's own goodput, which is what a
 step measures. Tried in the twenty-seventh session, it did not pay while the calibration priced
 depth 3 5-7% dear at 8-32 requests (see ``CostModel._verify_at``); with the verify pass priced
@@ -1498,15 +1502,17 @@ class AdaptiveController:
             w = max(self.churn_alpha, 1.0 / self._num_finished)
             self.request_tokens += w * (tokens - self.request_tokens)
 
-    def churn_factors(self, scores: dict[Plan, tuple[float, float]]) -> list[float]:
+    def churn_factors(self, scores: dict[Plan, tuple[float, float]], running_tokens: float = 0.0) -> list[float]:
         """Per depth 0..max_depth, what a slot's rate keeps of the step's goodput at that depth's
         best plan: 1 / (1 + churn_steps * E / L) (1.0 before _CHURN_MIN_FINISHED requests ended,
-        or with churn_steps 0). See "Churn" in the module docstring."""
+        or with churn_steps 0), L the mean request length or, where more, running_tokens (what
+        the running requests decoded so far, on average). See "Churn" in the module docstring."""
         out = [1.0] * (self.max_depth + 1)
         if self.churn_steps <= 0 or self._num_finished < _CHURN_MIN_FINISHED or self.request_tokens <= 0:
             return out
+        length = self.request_tokens if self.request_tokens >= running_tokens else running_tokens
         for d, (_, e) in _best_per_depth(scores).items():
-            out[d] = 1.0 / (1.0 + self.churn_steps * e / self.request_tokens)
+            out[d] = 1.0 / (1.0 + self.churn_steps * e / length)
         return out
 
     # ---------------------------------------------------------------- estimates
@@ -1767,7 +1773,10 @@ class AdaptiveController:
 
     # ---------------------------------------------------------------- decisions
     def plan(self, batch_size: int, request_ids: Sequence[Hashable] = (),
-             context_tokens: int | None = None, depth_caps: Sequence[int] | None = None) -> Plan:
+             context_tokens: int | None = None, depth_caps: Sequence[int] | None = None,
+             decoded_tokens: int | None = None) -> Plan:
+        """decoded_tokens: what the batch's requests have decoded so far, summed (a floor
+        under the mean request length the churn is priced at; see "Churn")."""
         if self.mode == "static" or self.max_depth == 0:
             chosen = self.static_plan if self.mode == "static" else Plan(0, 0)
             if self.costs.has_verify:
@@ -1789,7 +1798,7 @@ class AdaptiveController:
         if fresh:
             scores = self.evaluate(batch_size, request_ids, context_tokens, depth_caps)
             self._scores, self._scores_key, self._since_evaluated = scores, batch_key, 0
-            churn = self.churn_factors(scores)
+            churn = self.churn_factors(scores, 0.0 if decoded_tokens is None else decoded_tokens / batch_size)
             self._factors = [f * c for f, c in zip(self.bias_factors(batch_size), churn)]
             if self.plan_per_bucket:
                 self._enter_bucket(_bucket(batch_size))

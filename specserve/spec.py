@@ -199,7 +199,8 @@ class Speculator:
             room = self.engine.max_model_len
             caps = [max(0, min(r.num_tokens_left - 1, room - r.num_tokens)) for r in running]
             chosen = self.controller.plan(max(1, len(running)), [r.request_id for r in running],
-                                          sum(r.num_computed_tokens for r in running), caps)
+                                          sum(r.num_computed_tokens for r in running), caps,
+                                          sum(r.num_output_tokens for r in running) - len(running))
             depth = chosen.depth
             if self.tree_kind == "dynamic" and depth:
                 num_nodes = max(depth, chosen.num_nodes)

@@ -1259,6 +1259,27 @@ def test_churn_moves_the_plan_toward_shallower_depths_for_short_requests(churn_s
     assert ctrl.goodput_estimate == LEVEL_TOP[depth][0]
 
 
+def test_what_the_running_requests_decoded_is_a_floor_under_the_request_length():
+    """After a spell of short requests the mean length is theirs; requests that have already
+    decoded more will decode at least that, so the churn is priced at that instead (else the
+    plan stays shallow until the first of them ends)."""
+    ctrl = calibrated(flat_verify, cheap_draft, probe_interval=0, explore_interval=0, guard_interval=0)
+    ctrl.evaluate = lambda *a, **k: {Plan(d, d): v for d, v in LEVEL_TOP.items()}
+    finish_requests(ctrl, [16] * 4)
+    scores = {Plan(d, d): v for d, v in LEVEL_TOP.items()}
+    assert ctrl.churn_factors(scores, 8.0) == ctrl.churn_factors(scores)   # below the mean: the mean
+    assert ctrl.churn_factors(scores, 400.0)[:7] == pytest.approx(
+        [1.0 / (1.0 + 1.5 * e / 400.0) for _, e in LEVEL_TOP.values()])
+    ids = [f"r{i}" for i in range(16)]
+    for _ in range(40):
+        plan = ctrl.plan(16, ids, decoded_tokens=10 * 16)
+    assert plan == Plan(3, 3)   # the mean (16) prices it: short requests, as above
+    ctrl.plan(16, ids[:15], decoded_tokens=400 * 15)   # a fresh evaluation, with long-running requests
+    for _ in range(40):
+        plan = ctrl.plan(16, ids, decoded_tokens=400 * 16)
+    assert plan == Plan(4, 4)
+
+
 def test_plans_are_evaluated_every_replan_interval_steps_or_when_the_batch_changes():
     ctrl = calibrated(flat_verify, cheap_draft, replan_interval=4)
     calls = []
