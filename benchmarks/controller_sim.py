@@ -267,9 +267,11 @@ def run(env: Environment, setting: str, knobs: dict, seed: int, steps: int, max_
             # A step that also runs a prompt is timed but not learnt from (spec.py: its pass
             # mixes the prompt's rows in); its acceptance counts.
             mixed = bool(pending)
+            # A plain step reports no requests (the engine's _decode): nothing to accept.
             ctrl.observe(StepStats(batch_size=b, depth=d, num_nodes=plan.num_nodes,
                                    draft_s=0.0 if mixed else draft_s, verify_s=0.0 if mixed else verify_s,
-                                   overhead_s=0.0 if mixed else rest_s, num_accepted=accepted, request_ids=ids,
+                                   overhead_s=0.0 if mixed else rest_s, num_accepted=accepted if d else [],
+                                   request_ids=ids if d else [],
                                    seq_depths=seq_depths if cut else None,
                                    num_tokens=rows_run if cut else None,
                                    draft_depth=max(seq_depths) if cut else None))
@@ -290,7 +292,8 @@ def run(env: Environment, setting: str, knobs: dict, seed: int, steps: int, max_
         depths.append(d)
         for i in live:
             if slots[i][1] <= 0:
-                ctrl.forget(slots[i][0])
+                # As the engine does: what it decoded (its prompt's pass yields the first token).
+                ctrl.forget(slots[i][0], num_tokens=max_tokens - (1 if prefill_share > 0 else 0))
                 slots[i] = new_request()
                 wait = gaps.randint(0, 2 * empty_steps) if empty_steps > 0 else 0
                 if wait:

@@ -1184,13 +1184,14 @@ def test_a_far_bump_in_the_estimates_is_not_part_of_the_band():
 
 
 def finish_requests(ctrl, lengths):
-    """Requests served by plain steps, one token each, then finished (forget)."""
+    """Requests served by plain steps, one token each, then finished: as the engine reports
+    them (a plain step names no requests; forget says what the request decoded)."""
     for i, n in enumerate(lengths):
         rid = f"done{i}"
         for _ in range(n):
             ctrl.observe(StepStats(batch_size=1, depth=0, num_nodes=0, draft_s=0.0, verify_s=0.0,
-                                   num_accepted=[0], request_ids=[rid]))
-        ctrl.forget(rid)
+                                   num_accepted=[], request_ids=[]))
+        ctrl.forget(rid, num_tokens=n)
 
 
 def test_the_mean_request_length_is_learnt_from_finished_requests():
