@@ -145,7 +145,8 @@ class ModelDrafter:
         else:
             params = [g.req.params for g, plist in zip(active, parents) for _ in plist]
             tensors = SamplingTensors.from_params(params, logits.device)
-            q = target_probs(logits, tensors.temperature, tensors.top_k, tensors.top_p)  # [R, V]
+            q = target_probs(logits, tensors.temperature, tensors.top_k, tensors.top_p,
+                             tensors.any_restricted)  # [R, V]
         if shape.kind == "chain" and q is None and (shape.stop_below > 0.0 or shape.level_below > 0.0):
             # The argmax and its probability, for the early stop, read off one softmax: a fused
             # kernel, where max and logsumexp took 2.4x the time at one sequence on the CPU
@@ -158,7 +159,7 @@ class ModelDrafter:
             top_p_vals = [1.0] * len(chosen)  # a chain without early stop needs no path probabilities
         elif shape.kind == "chain":
             gens = [g.req.generator for g, plist in zip(active, parents) for _ in plist]
-            chosen = sample(logits, tensors.temperature, tensors.top_k, tensors.top_p, gens).tolist()
+            chosen = sample(logits, tensors.temperature, tensors.top_k, tensors.top_p, gens, probs=q).tolist()
             top_p_vals = q.gather(1, torch.tensor(chosen, device=q.device)[:, None]).squeeze(1).tolist()
         else:
             top_vals, top_ids = q.topk(width, dim=-1)

@@ -390,7 +390,8 @@ class LLMEngine:
         tensors = SamplingTensors.from_params([r.params for r in requests], logits.device)
         if tensors.all_greedy:
             return logits.argmax(dim=-1).tolist()  # the step's one device -> host sync
-        tokens = sample(logits, tensors.temperature, tensors.top_k, tensors.top_p, [r.generator for r in requests])
+        tokens = sample(logits, tensors.temperature, tensors.top_k, tensors.top_p, [r.generator for r in requests],
+                        tensors.any_restricted)
         return tokens.tolist()  # the step's one device -> host sync
 
     def _postprocess(self, batch: SchedulerOutput, new_tokens: dict[str, list[int]]) -> list[RequestOutput]:

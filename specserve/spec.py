@@ -630,7 +630,8 @@ class Speculator:
             probs = torch.zeros(num_seqs, max_nodes + 1, 1, dtype=torch.float32, device=dev)
         else:
             per_row = lambda t: t.repeat_interleave(max_nodes + 1)  # noqa: E731
-            probs = target_probs(rows, per_row(tensors.temperature), per_row(tensors.top_k), per_row(tensors.top_p))
+            probs = target_probs(rows, per_row(tensors.temperature), per_row(tensors.top_k), per_row(tensors.top_p),
+                                 tensors.any_restricted)
             probs = probs.float().view(num_seqs, max_nodes + 1, vocab)
 
         tokens = torch.zeros(num_seqs, max_nodes, dtype=torch.long)

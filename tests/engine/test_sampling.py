@@ -149,6 +149,36 @@ def test_sampling_tensors_from_params():
     torch.testing.assert_close(st.top_p, torch.tensor([1.0, 0.9, 1.0]))
     assert not st.all_greedy
     assert SamplingTensors.from_params(params[:1], "cpu").all_greedy
+    # Whether target_probs must sort: a sampled row with top-k or top-p (a greedy row's are
+    # ignored), read from the parameters so that a GPU need not be asked.
+    assert st.any_restricted
+    assert not SamplingTensors.from_params([params[0], SamplingParams(temperature=0.7)], "cpu").any_restricted
+    assert not SamplingTensors.from_params([SamplingParams(temperature=0.0, top_k=3)], "cpu").any_restricted
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_that_keep_every_token_skip_the_sort_and_match_it(dtype):
+    """Unrestricted rows take softmax(logits / T) directly; restricted rows in the same batch
+    still go through the sort; both equal what the sorted path gives every row."""
+    from specserve.sampling import _restricted_probs
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 4096, generator=g) * 3).to(dtype)
+    t = torch.tensor([1.0, 0.7, 0.0, 1.3, 0.5, 1.0])
+    k = torch.tensor([0, 0, 7, 50, 0, 4096])
+    p = torch.tensor([1.0, 1.0, 0.2, 1.0, 0.9, 1.0])
+    probs = target_probs(logits, t, k, p)
+    assert probs.dtype == dtype
+    scaled = logits / torch.where(t < 1e-5, 1.0, t).to(dtype)[:, None]
+    everything = torch.full((6,), 4096)
+    reference = _restricted_probs(scaled, torch.where((k <= 0) | (t < 1e-5), everything, k),
+                                  torch.where(t < 1e-5, 1.0, p).to(dtype))
+    torch.testing.assert_close(probs, reference)
+    assert (probs[3] > 0).sum() == 50 and (probs[0] > 0).all()
+    # The hint gives the same, with or without restricted rows.
+    torch.testing.assert_close(target_probs(logits, t, k, p, any_restricted=True), probs)
+    free = [0, 1, 2, 5]
+    torch.testing.assert_close(target_probs(logits[free], t[free], torch.zeros(4, dtype=torch.long),
+                                            torch.ones(4), any_restricted=False), reference[free])
 
 
 def test_params_defaults_and_greedy():
