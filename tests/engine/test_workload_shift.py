@@ -1,0 +1,86 @@
+"""benchmarks/workload_shift.py: every setting runs every phase in order on an engine of its
+own, the figures add up (each request decodes max_tokens), and bad phases are refused."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from benchmarks import workload_shift
+from benchmarks.workload_shift import Phase
+from specserve import LLM
+from tests.checkpoints import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shift")
+    target = make_checkpoint(root / "target", "llama", dtype=torch.float64)
+    draft = root / "draft"   # the target with noise on its weights: accepts some, rejects some
+    shutil.copytree(target, draft)
+    sd = load_file(draft / "model.safetensors")
+    g = torch.Generator().manual_seed(4)
+    sd = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in sd.items()}
+    save_file(sd, draft / "model.safetensors", metadata={"format": "pt"})
+    return target, draft
+
+
+def test_every_setting_runs_every_phase_and_the_figures_add_up(pair, tmp_path):
+    made = []
+
+    def make_llm():
+        llm = LLM(target=str(pair[0]), draft=str(pair[1]), dtype="float64", device="cpu", progress=False,
+                  num_blocks=256, block_size=4, max_num_seqs=4, spec_mode="adaptive", spec__max_depth=4)
+        made.append(llm)
+        return llm
+
+    phases = [Phase.parse(p) for p in ("4:6:3", "2:3:9:1.0", "3:4:7")]
+    res = workload_shift.measure(make_llm, phases, ["adaptive", "static0", "static2"], repeat=2, progress=False)
+    assert len(made) == 6   # an engine per setting per repetition
+    assert res["phases"] == ["4:6:3", "2:3:9:1", "3:4:7"]
+    for setting, rows in res["results"].items():
+        assert len(rows) == 3
+        for phase, row in zip(phases, rows):
+            assert len(row["runs"]) == 2
+            for run in row["runs"]:
+                assert run["tokens"] == phase.num_requests * phase.max_tokens
+                assert run["steps"] == sum(run["depths"].values()) > 0
+                assert run["tokens_per_s"] == pytest.approx(run["tokens"] / run["seconds"])
+            assert min(r["tokens_per_s"] for r in row["runs"]) <= row["tokens_per_s"] <= max(
+                r["tokens_per_s"] for r in row["runs"])
+    assert all(set(run["depths"]) == {"0"} for row in res["results"]["static0"] for run in row["runs"])
+    assert all(set(run["depths"]) <= {"0", "2"} for row in res["results"]["static2"] for run in row["runs"])
+    # A plain step of static0 yields one token a sequence: never fewer steps than tokens / B.
+    for phase, row in zip(phases, res["results"]["static0"]):
+        assert row["runs"][0]["steps"] >= phase.num_requests * phase.max_tokens / phase.batch
+    for i, r in enumerate(res["adaptive_over_best_static"]):
+        best = res["results"][r["best"]][i]["tokens_per_s"]
+        assert best == max(res["results"][s][i]["tokens_per_s"] for s in ("static0", "static2"))
+        assert r["ratio"] == pytest.approx(res["results"]["adaptive"][i]["tokens_per_s"] / best)
+    table = workload_shift.format_table(res)
+    assert table.count("\n") == 4 and "adaptive / best static" in table
+    assert workload_shift.plot(res, tmp_path / "shift.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("text, message", [
+    ("4:8", "expected B:N:max_tokens"),
+    ("4:x:8", "integers"),
+    ("0:8:8", "at least 1"),
+    ("4:8:8:-1", "temperature >= 0"),
+    ("4:8:8:1.0:1.5", "top_p in"),
+])
+def test_bad_phases_are_refused_naming_them(text, message):
+    with pytest.raises(ValueError, match=message):
+        Phase.parse(text)
+
+
+def test_the_command_line_refuses_bad_settings_and_phases(capsys):
+    with pytest.raises(SystemExit):
+        workload_shift.main(["--settings", "adaptive", "deep9"])
+    assert "deep9" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        workload_shift.main(["--phases", "4:8"])
+    assert "4:8" in capsys.readouterr().err
