@@ -93,7 +93,7 @@ class _Rotation:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def plan(self, batch_size, request_ids=(), context_tokens=None, depth_caps=None, decoded_tokens=None):
+    def plan(self, batch_size, request_ids=(), context_tokens=None, depth_caps=None, decoded_tokens=None, sampled=None):
         from specserve.controller import Plan
 
         depth = self.depths[(self._count // self.block) % len(self.depths)]

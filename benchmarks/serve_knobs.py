@@ -145,8 +145,8 @@ def _shadow(controller, depth: int) -> None:
 
     planned = controller.plan
 
-    def plan(batch_size, request_ids=(), context_tokens=None, depth_caps=None, decoded_tokens=None):
-        planned(batch_size, request_ids, context_tokens, depth_caps, decoded_tokens)
+    def plan(batch_size, request_ids=(), context_tokens=None, depth_caps=None, decoded_tokens=None, sampled=None):
+        planned(batch_size, request_ids, context_tokens, depth_caps, decoded_tokens, sampled)
         controller.stop_below = controller.level_below = 0.0
         return Plan(depth, depth)
 

@@ -212,6 +212,18 @@ observed counts as due, so a fresh controller probes on its first plain step, at
 weighs as ``_PRIOR_OBSERVATIONS`` observations in a position's first EMA steps: one probe of a
 batch replaces the guess rather than nudging it.
 
+**Sampled and greedy.** A request sampled at temperature > 0 accepts less than a greedy one
+(rejection sampling keeps a draft token with probability min(1, p/q)), so after a spell of
+sampled requests the global estimate is theirs, and new greedy requests were priced at it.
+Where that put the plan at depth 0, nothing more was learnt (plain steps verify nothing), and
+it stayed: on the embedded pair, 48 greedy requests at 16 after 48 sampled ones ran 189 of 192
+steps plain, 0.90x static depth 2 (the forty-seventh session, ``benchmarks.workload_shift``).
+So ``plan`` is told which requests sample, and from the first sampled request observed each
+kind keeps an estimate of its own (the global one up to then becomes the greedy one, the
+sampled one starts from it): a request's own estimate starts from, and is shrunk toward, its
+kind's. The global estimate, over both, still drives the probes, the early-stop thresholds
+and the staleness. A workload that never samples has one kind and plans as before.
+
 **Explorations.** The plan in use refreshes only its own cost buckets; the other plans are
 judged on older numbers, and the level shift of the contexts since does not move every bucket
 alike. So every ``explore_interval`` steps (speculating) one step runs another depth: of the
@@ -1400,6 +1412,11 @@ class AdaptiveController:
         self._all_budgets = [self._node_budgets(d) for d in range(max_depth + 1)]
         self._chain_plans = [Plan(d, d) for d in range(max_depth + 1)]
         self._num_seen = [0] * max_depth           # observations of position k, ever
+        # Sampled and greedy requests apart (see "Sampled and greedy"): the sampled requests of
+        # the batches planned, and, once both kinds have been seen, each kind's acceptance.
+        self._sampled_ids: set[Hashable] = set()
+        self._kind_acc: dict[bool, list[float]] | None = None
+        self._kind_num_seen: dict[bool, list[int]] = {}
         self._weight = [0.0] * max_depth           # observations of position k, fading when stale
 
         # Decision state and exported metrics.
@@ -1496,6 +1513,7 @@ class AdaptiveController:
         showed, which leaves out the plain steps (they report no requests), so a spell at
         depth 0 would read every request as a few tokens long."""
         r = self._requests.pop(request_id, None)
+        self._sampled_ids.discard(request_id)
         tokens = num_tokens if num_tokens is not None else (r.tokens if r is not None else 0)
         if tokens > 0:
             self._num_finished += 1
@@ -1530,9 +1548,19 @@ class AdaptiveController:
                 g[k] = (w * g[k] + s * g[k - 1]) / (w + s)
         return g
 
+    def kind_acceptance(self, request_id: Hashable, global_acc: list[float]) -> list[float]:
+        """What a request's acceptance is shrunk toward: its kind's (sampled or greedy) once
+        both kinds have been seen, else the global estimate."""
+        kinds = self._kind_acc
+        if kinds is None:
+            return global_acc
+        return kinds[request_id in self._sampled_ids]
+
     def request_acceptance(self, request_id: Hashable, global_acc: list[float] | None = None) -> list[float]:
-        """[max_depth] a_k for one request: its EMA shrunk toward the global EMA."""
+        """[max_depth] a_k for one request: its EMA shrunk toward its kind's estimate (the
+        global one while only one kind has been seen)."""
         g = self.global_acceptance() if global_acc is None else global_acc
+        g = self.kind_acceptance(request_id, g)
         r = self._requests.get(request_id)
         if r is None:
             return g
@@ -1607,9 +1635,11 @@ class AdaptiveController:
         miss = [0.0] * K
         s = self.request_shrinkage
         requests = self._requests
+        kinds, sampled_ids = self._kind_acc, self._sampled_ids
         for rid, cap in zip(ids, caps):
             r = requests.get(rid)
-            accs = g if r is None else [(c * e + s * gk) / (c + s) for c, e, gk in zip(r.count, r.ema, g)]
+            base = g if kinds is None else kinds[rid in sampled_ids]
+            accs = base if r is None else [(c * e + s * gk) / (c + s) for c, e, gk in zip(r.count, r.ema, base)]
             prefix = 1.0
             if cont is None and not trees:   # (the usual case, a plain chain: the same sums)
                 for k in range(cap if cap < K else K):
@@ -1774,9 +1804,14 @@ class AdaptiveController:
     # ---------------------------------------------------------------- decisions
     def plan(self, batch_size: int, request_ids: Sequence[Hashable] = (),
              context_tokens: int | None = None, depth_caps: Sequence[int] | None = None,
-             decoded_tokens: int | None = None) -> Plan:
+             decoded_tokens: int | None = None, sampled: Sequence[bool] | None = None) -> Plan:
         """decoded_tokens: what the batch's requests have decoded so far, summed (a floor
-        under the mean request length the churn is priced at; see "Churn")."""
+        under the mean request length the churn is priced at; see "Churn"). sampled: per
+        request, whether it samples (temperature > 0); None: all greedy."""
+        if sampled is not None:
+            for rid, is_sampled in zip(request_ids, sampled):
+                if is_sampled:
+                    self._sampled_ids.add(rid)
         if self.mode == "static" or self.max_depth == 0:
             chosen = self.static_plan if self.mode == "static" else Plan(0, 0)
             if self.costs.has_verify:
@@ -2195,16 +2230,29 @@ class AdaptiveController:
         keep = 1.0 - self.request_stale_decay
         seq_depths, drafted_depths = stats.seq_depths, stats.drafted_depths
         with_ranks = bool(is_tree and stats.accepted_ranks)
+        # Each kind's observations apart, from the first sampled request on (until then the
+        # global estimate is the greedy one, and nothing else is done).
+        sampled_ids = self._sampled_ids
+        kinds = self._kind_acc
+        if kinds is None and sampled_ids and any(rid in sampled_ids for rid in stats.request_ids):
+            kinds = self._start_kinds(carried)
+        kind_hits = {False: [0.0] * K, True: [0.0] * K} if kinds is not None else None
+        kind_seen = {False: [0] * K, True: [0] * K} if kinds is not None else None
         for i, (rid, n_acc) in enumerate(zip(stats.request_ids, stats.num_accepted)):
             ranks = stats.accepted_ranks[i] if with_ranks else None
             r = requests.get(rid)
             if r is None:
-                r = requests[rid] = _RequestAcceptance(list(carried), [0] * K)
+                base = carried if kinds is None else kinds[rid in sampled_ids]
+                r = requests[rid] = _RequestAcceptance(list(base), [0] * K)
             r.tokens += n_acc + 1
             d_i = min(d, seq_depths[i]) if seq_depths else d
             drafted = d_i if drafted_depths is None else min(d_i, drafted_depths[i])
             observed = min(n_acc + 1, d_i, drafted)
             ema, count = r.ema, r.count
+            kh = ks = None
+            if kinds is not None:
+                kind = rid in sampled_ids
+                kh, ks = kind_hits[kind], kind_seen[kind]
             # A position the early stop left undrafted is not observed: what a chain accepts
             # where it was drafted is the draft's, and how often it is drafted there is the
             # continuation's (evaluate multiplies the two). Counted as not accepted, it held
@@ -2223,6 +2271,9 @@ class AdaptiveController:
                         self.sibling_acceptance += ga * (0.0 - self.sibling_acceptance)
                 hits[k] += spine
                 seen[k] += 1
+                if kh is not None:
+                    kh[k] += spine
+                    ks[k] += 1
                 ema[k] += ra * (spine - ema[k])
                 count[k] += 1
                 if spine == 0.0:
@@ -2231,6 +2282,9 @@ class AdaptiveController:
             for k in range(observed, K):
                 count[k] *= keep
         self._update_global_acceptance(hits, seen, carried)
+        if kinds is not None:
+            for kind in (False, True):
+                self._update_kind_acceptance(kind, kind_hits[kind], kind_seen[kind])
         # Positions the step verified have fresh data; the others drift toward the position
         # above (position 1: toward the prior), so a stale low estimate recovers slowly and
         # the plan reaches that depth again to re-measure it.
@@ -2243,6 +2297,29 @@ class AdaptiveController:
             weight[k] *= fade
             target = self.prior_acceptance if k == 0 else acc[k - 1]
             acc[k] += stale * (target - acc[k])
+
+    def _start_kinds(self, carried: list[float]) -> dict[bool, list[float]]:
+        """The first sampled request observed: the global estimate so far becomes the greedy
+        one (every request before was greedy), and the sampled one starts from it, its first
+        observations averaging with it as with the prior (see "Sampled and greedy")."""
+        self._kind_acc = {False: list(carried), True: list(carried)}
+        self._kind_num_seen = {False: list(self._num_seen), True: [0] * self.max_depth}
+        return self._kind_acc
+
+    def _update_kind_acceptance(self, kind: bool, hits: list[float], seen: list[int]) -> None:
+        """One step's observations of one kind's requests move its estimate as
+        _update_global_acceptance moves the global one."""
+        acc, counts = self._kind_acc[kind], self._kind_num_seen[kind]
+        ga, cap = self.acceptance_alpha, self.acceptance_step_weight
+        for k, n in enumerate(seen):
+            if n == 0:
+                continue
+            before = counts[k]
+            plain = n / (before + n + _PRIOR_OBSERVATIONS - 1)
+            step = 1.0 - (1.0 - ga) ** n
+            w = max(plain, min(step, cap))
+            acc[k] += w * (hits[k] / n - acc[k])
+            counts[k] += n
 
     def _update_global_acceptance(self, hits: list[float], seen: list[int], carried: list[float]) -> None:
         """One step's observations of each position (``seen[k]`` sequences reached position
@@ -2308,6 +2385,9 @@ class AdaptiveController:
             "num_nodes": self.last_plan.num_nodes,
             "depth_histogram": dict(sorted(self.depth_histogram.items())),
             "acceptance_per_position": list(self.acceptance),
+            # greedy and sampled requests apart, once both have been seen (else None)
+            "kind_acceptance": None if self._kind_acc is None else {
+                "greedy": list(self._kind_acc[False]), "sampled": list(self._kind_acc[True])},
             "sibling_acceptance": self.sibling_acceptance,
             "goodput_estimate": self.goodput_estimate,
             "expected_tokens_per_pass": self.expected_tokens_per_pass,

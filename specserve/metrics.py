@@ -84,6 +84,13 @@ def _controller_metrics(snap: dict):
     for pos, a in enumerate(snap["acceptance_per_position"]):
         g.add_metric([str(pos + 1)], a)
     yield g
+    g = GaugeMetricFamily("specserve_controller_kind_acceptance_estimate",
+                          "The same for greedy and for sampled requests apart (present once both kinds have "
+                          "been served: each request's estimate starts from its kind's).", labels=["kind", "position"])
+    for kind, accs in (snap.get("kind_acceptance") or {}).items():
+        for pos, a in enumerate(accs):
+            g.add_metric([kind, str(pos + 1)], a)
+    yield g
     g = GaugeMetricFamily("specserve_controller_reach_estimate",
                           "Estimated share of chains drafted as far as `position` (below 1 where the early "
                           "stop ends chains on the draft's doubt).", labels=["position"])

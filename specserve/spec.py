@@ -131,7 +131,8 @@ class Speculator:
         spec = config.spec
         self.tree_kind = spec.tree if drafter.has_kv else "chain"
         self._step_stats = None  # this step's StepStats, completed by end_step()
-        self._forget_after_step: list[tuple[str, int]] = []   # finished in this step (id, tokens decoded): forgotten once reported
+        # Finished in this step, (id, tokens decoded): forgotten once the step is reported.
+        self._forget_after_step: list[tuple[str, int]] = []
         self._step_measured_s = 0.0  # its draft + verify time
         self.last_timing = (0.0, 0.0)  # the last step's draft and verify seconds, prefill or not (the step log)
         self.last_drafted = 0  # tree nodes the last step verified, all sequences together (the step log)
@@ -200,7 +201,8 @@ class Speculator:
             caps = [max(0, min(r.num_tokens_left - 1, room - r.num_tokens)) for r in running]
             chosen = self.controller.plan(max(1, len(running)), [r.request_id for r in running],
                                           sum(r.num_computed_tokens for r in running), caps,
-                                          sum(r.num_output_tokens for r in running) - len(running))
+                                          sum(r.num_output_tokens for r in running) - len(running),
+                                          [not r.params.is_greedy for r in running])
             depth = chosen.depth
             if self.tree_kind == "dynamic" and depth:
                 num_nodes = max(depth, chosen.num_nodes)

@@ -1281,6 +1281,58 @@ def test_what_the_running_requests_decoded_is_a_floor_under_the_request_length()
     assert plan == Plan(4, 4)
 
 
+def run_kind(ctrl, steps, ids, acceptance, sampled, rng, verify_fn=roofline_verify, draft_fn=cheap_draft):
+    """simulate(), with each request marked sampled or greedy at plan time (None: not said)."""
+    plans = []
+    B = len(ids)
+    for _ in range(steps):
+        plan = ctrl.plan(B, ids, sampled=None if sampled is None else [sampled] * B)
+        plans.append(plan)
+        ctrl.observe(StepStats(batch_size=B, depth=plan.depth, num_nodes=plan.num_nodes,
+                               draft_s=plan.depth * draft_fn(B), verify_s=verify_fn(B, B * (plan.num_nodes + 1)),
+                               num_accepted=draw_accepted(plan.depth, B, acceptance, rng), request_ids=ids))
+    return plans
+
+
+@pytest.mark.parametrize("say_kind", [True, False])
+def test_greedy_requests_after_sampled_ones_start_from_the_greedy_acceptance(say_kind):
+    """Sampled requests accept less than greedy ones, so after a spell of them the global
+    estimate is theirs: new greedy requests were priced at it, and the plan stayed shallow
+    (at depth 0 it learns nothing more) until their own steps taught it otherwise. Each kind
+    keeps an estimate of its own once both have been seen, and a new request starts from
+    its kind's (on the embedded pair: 189 of 192 steps plain before, none after)."""
+    rng = random.Random(5)
+    ctrl = calibrated(roofline_verify, cheap_draft, probe_interval=0, explore_interval=0)
+    greedy, sampled, fresh = ([f"{p}{i}" for i in range(16)] for p in "gsn")
+    assert run_kind(ctrl, 150, greedy, 0.9, False if say_kind else None, rng)[-1].depth == 3
+    for rid in greedy:
+        ctrl.forget(rid, num_tokens=100)
+    assert run_kind(ctrl, 150, sampled, 0.2, True if say_kind else None, rng)[-1].depth <= 1
+    assert ctrl.acceptance[1] < 0.4
+    for rid in sampled:
+        ctrl.forget(rid, num_tokens=100)
+    assert not ctrl._sampled_ids   # forgotten with their requests
+    plans = run_kind(ctrl, 12, fresh, 0.9, False if say_kind else None, rng)
+    if say_kind:
+        assert [p.depth for p in plans] == [3] * 12
+        assert ctrl._kind_acc[False][0] > 0.8 and ctrl._kind_acc[True][0] < 0.3
+    else:   # the controller told nothing: every request is one kind, the global estimate's
+        assert ctrl._kind_acc is None and all(p.depth <= 1 for p in plans)
+
+
+def test_greedy_only_workloads_plan_as_without_kinds():
+    """Until a sampled request is seen there is one kind: saying every request is greedy
+    changes no decision."""
+    plans = []
+    for say in (None, False):
+        rng = random.Random(9)
+        ctrl = calibrated(roofline_verify, cheap_draft)
+        plans.append([p for acc in (0.9, 0.3, 0.8)
+                      for p in run_kind(ctrl, 100, [f"r{i}" for i in range(8)], acc, say, rng)])
+        assert ctrl._kind_acc is None
+    assert plans[0] == plans[1]
+
+
 def test_plans_are_evaluated_every_replan_interval_steps_or_when_the_batch_changes():
     ctrl = calibrated(flat_verify, cheap_draft, replan_interval=4)
     calls = []

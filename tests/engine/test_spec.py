@@ -593,6 +593,31 @@ def test_requests_served_by_plain_steps_count_at_their_length(models):
     llm.engine.pool.check_all_free()
 
 
+def test_the_controller_is_told_which_requests_sample(models):
+    """Speculator.plan names the batch's sampled requests, so the controller keeps sampled
+    and greedy acceptance apart once it has seen both, and drops them as they finish."""
+    llm = make_llm(models, "weak", spec_mode="adaptive")
+    ctrl = llm.engine.spec.adaptive
+    seen = []
+    plan = ctrl.plan
+
+    def spy(*args, **kw):   # the real plan learns who samples; every step speculates
+        seen.append(args[5] if len(args) > 5 else kw.get("sampled"))
+        plan(*args, **kw)
+        return Plan(3, 3)
+
+    ctrl.plan = spy
+    llm.generate(PROMPTS, GREEDY)
+    assert seen and all(s == [False] * len(s) for s in seen)
+    assert ctrl._kind_acc is None   # greedy only: one kind
+    seen.clear()
+    params = [GREEDY, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=1, ignore_eos=True), GREEDY]
+    llm.generate(PROMPTS, params)
+    assert [False, True, False] in seen
+    assert ctrl._kind_acc is not None and not ctrl._sampled_ids
+    llm.engine.pool.check_all_free()
+
+
 def _spy_trees(llm) -> list:
     """(stop_below, tree) of every tree the drafter proposes from now on."""
     seen = []

@@ -60,6 +60,17 @@ def test_controller_decisions_are_exported(adaptive_server):
     # Each depth's correction at batch size 1, as the controller would read it now.
     bias = [after[f'specserve_controller_bias_factor{{batch_size="1",depth="{d}"}}'] for d in range(5)]
     assert bias == pytest.approx(ctrl.bias_factors(1)) and all(0.6 <= f <= 1.5 for f in bias)
+    # Greedy requests only: one kind, no per-kind estimates; once both kinds are kept, both.
+    assert not any(k.startswith("specserve_controller_kind_acceptance_estimate") for k in after)
+    ctrl._start_kinds(ctrl.global_acceptance())
+    ctrl._kind_acc[True][0] = 0.25
+    kinds = _scrape(srv)
+    for kind, accs in (("greedy", ctrl._kind_acc[False]), ("sampled", ctrl._kind_acc[True])):
+        got = [kinds[f'specserve_controller_kind_acceptance_estimate{{kind="{kind}",position="{k}"}}']
+               for k in range(1, 5)]
+        assert got == pytest.approx(accs)
+    assert kinds['specserve_controller_kind_acceptance_estimate{kind="sampled",position="1"}'] == 0.25
+    ctrl._kind_acc, ctrl._kind_num_seen = None, {}   # the server goes on as it was
 
 
 def test_steps_carry_their_context_and_calibration_measured_its_cost(adaptive_server):
