@@ -9,8 +9,12 @@ PHASE is ``B:N:max_tokens[:temperature[:top_p]]``: N requests, at most B in flig
 one joins as one ends), each decoding max_tokens tokens (EOS ignored), greedy unless a
 temperature is given. Each setting gets an engine of its own, in this process, which runs
 every phase in order; the prefix cache is emptied before each phase, so every phase
-prefills its prompts whole. With ``--repeat R`` the settings take turns R times (a fresh
-engine each time) and each phase reports its median.
+prefills its prompts whole. The engines are alive together and take turns phase by phase
+(the order rotated from one phase to the next), so a slow minute of a shared machine lands
+on one phase of every setting rather than on one setting's every phase; ``--one-at-a-time``
+runs one engine through all its phases before starting the next (for pairs too large to
+hold several engines). With ``--repeat R`` all of it runs R times (fresh engines each time)
+and each phase reports its median.
 
 Per phase and setting: output tokens per second over the phase's wall time, its steps, and
 the depths they ran; per phase, adaptive over the best static setting. A sweep
@@ -125,29 +129,48 @@ def run_phase(llm, phase: Phase, prompts: list[str], seed: int) -> dict:
 
 
 def measure(make_llm, phases: list[Phase], settings: list[str], repeat: int = 1,
-            progress: bool = True) -> dict:
+            progress: bool = True, lockstep: bool = True) -> dict:
     """Every setting through every phase, `repeat` times in turn. make_llm() -> a fresh LLM
-    started in adaptive mode (the static settings switch it). Returns per setting, per phase,
-    the runs and their median tokens/s."""
+    started in adaptive mode (the static settings switch it). lockstep: every setting's
+    engine made first, then each phase run by all of them in turn (else one engine through
+    all its phases, then the next). Returns per setting, per phase, the runs and their
+    median tokens/s."""
     prompts, offset = [], 0
     all_prompts = load_prompts(sum(p.num_requests for p in phases))
     for p in phases:
         prompts.append(all_prompts[offset: offset + p.num_requests])
         offset += p.num_requests
     runs: dict[str, list[list[dict]]] = {s: [[] for _ in phases] for s in settings}
+
+    def engine_for(setting: str):
+        llm = make_llm()
+        llm.engine.set_speculation(*parse_setting(setting))
+        return llm
+
+    def run(r: int, setting: str, llm, i: int) -> None:
+        res = run_phase(llm, phases[i], prompts[i], seed=1000 * i)
+        runs[setting][i].append(res)
+        if progress:
+            print(f"[{r + 1}/{repeat}] {setting:9s} phase {i + 1}/{len(phases)} ({phases[i]}): "
+                  f"{res['tokens_per_s']:7.1f} tok/s, {res['steps']} steps, depths {res['depths']}",
+                  file=sys.stderr, flush=True)
+
     for r in range(repeat):
-        for setting in settings:
-            mode, depth = parse_setting(setting)
-            llm = make_llm()
-            llm.engine.set_speculation(mode, depth)
-            for i, phase in enumerate(phases):
-                res = run_phase(llm, phase, prompts[i], seed=1000 * i)
-                runs[setting][i].append(res)
-                if progress:
-                    print(f"[{r + 1}/{repeat}] {setting:9s} phase {i + 1}/{len(phases)} ({phase}): "
-                          f"{res['tokens_per_s']:7.1f} tok/s, {res['steps']} steps, depths {res['depths']}",
-                          file=sys.stderr, flush=True)
-            llm.engine.pool.check_all_free()
+        if lockstep:
+            engines = {s: engine_for(s) for s in settings}
+            for i in range(len(phases)):
+                shift = (r * len(phases) + i) % len(settings)
+                for setting in settings[shift:] + settings[:shift]:
+                    run(r, setting, engines[setting], i)
+            for llm in engines.values():
+                llm.engine.pool.check_all_free()
+            del engines
+        else:
+            for setting in settings:
+                llm = engine_for(setting)
+                for i in range(len(phases)):
+                    run(r, setting, llm, i)
+                llm.engine.pool.check_all_free()
     out = {"phases": [str(p) for p in phases], "settings": settings, "repeat": repeat, "results": {}}
     for setting in settings:
         out["results"][setting] = [
@@ -211,6 +234,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-threads", type=int, default=None)
     p.add_argument("--out", help="write the figures as JSON here")
     p.add_argument("--plot", help="draw tokens/s per phase and setting into this PNG")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="one engine through all its phases, then the next (not every setting's engine at once)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -231,7 +256,7 @@ def main(argv=None) -> int:
         overrides["cpu_threads"] = args.cpu_threads
     cfg = config_mod.with_overrides(cfg, **overrides)
     res = measure(lambda: LLM(cfg, progress=False), phases, args.settings, args.repeat,
-                  progress=not args.no_progress)
+                  progress=not args.no_progress, lockstep=not args.one_at_a_time)
     res.update(config=args.config or "embedded pair", commit=git_commit(), machine=platform.platform(),
                processor=platform.processor(), command="python -m benchmarks.workload_shift " + " ".join(
                    argv if argv is not None else sys.argv[1:]))

@@ -28,7 +28,8 @@ def pair(tmp_path_factory):
     return target, draft
 
 
-def test_every_setting_runs_every_phase_and_the_figures_add_up(pair, tmp_path):
+@pytest.mark.parametrize("lockstep", [True, False])
+def test_every_setting_runs_every_phase_and_the_figures_add_up(pair, tmp_path, lockstep):
     made = []
 
     def make_llm():
@@ -38,7 +39,8 @@ def test_every_setting_runs_every_phase_and_the_figures_add_up(pair, tmp_path):
         return llm
 
     phases = [Phase.parse(p) for p in ("4:6:3", "2:3:9:1.0", "3:4:7")]
-    res = workload_shift.measure(make_llm, phases, ["adaptive", "static0", "static2"], repeat=2, progress=False)
+    res = workload_shift.measure(make_llm, phases, ["adaptive", "static0", "static2"], repeat=2, progress=False,
+                                 lockstep=lockstep)
     assert len(made) == 6   # an engine per setting per repetition
     assert res["phases"] == ["4:6:3", "2:3:9:1", "3:4:7"]
     for setting, rows in res["results"].items():
@@ -84,3 +86,31 @@ def test_the_command_line_refuses_bad_settings_and_phases(capsys):
     with pytest.raises(SystemExit):
         workload_shift.main(["--phases", "4:8"])
     assert "4:8" in capsys.readouterr().err
+
+
+def test_lockstep_takes_turns_phase_by_phase_each_engine_in_order(monkeypatch):
+    """Lockstep: every engine runs phase i before any runs phase i + 1, the settings' order
+    rotates from phase to phase, and each engine still meets its phases in order."""
+    from types import SimpleNamespace
+
+    order = []
+
+    def fake_run_phase(llm, phase, prompts, seed):
+        order.append((llm.setting, phase.max_tokens))
+        return {"tokens": 1, "seconds": 1.0, "tokens_per_s": 1.0, "steps": 1, "depths": {"0": 1}}
+
+    def make_llm():
+        engine = SimpleNamespace(pool=SimpleNamespace(check_all_free=lambda: None))
+        llm = SimpleNamespace(engine=engine, setting=None)
+        engine.set_speculation = lambda mode, depth: setattr(llm, "setting", mode + ("" if depth is None else str(depth)))
+        return llm
+
+    monkeypatch.setattr(workload_shift, "run_phase", fake_run_phase)
+    phases = [Phase.parse(f"1:1:{n}") for n in (1, 2, 3)]
+    workload_shift.measure(make_llm, phases, ["adaptive", "static0", "static2"], progress=False)
+    assert [n for _, n in order] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert [s for s, _ in order[:3]] == ["adaptive", "static0", "static2"]
+    assert [s for s, _ in order[3:6]] == ["static0", "static2", "adaptive"]
+    order.clear()
+    workload_shift.measure(make_llm, phases, ["adaptive", "static0"], progress=False, lockstep=False)
+    assert order == [("adaptive", 1), ("adaptive", 2), ("adaptive", 3), ("static0", 1), ("static0", 2), ("static0", 3)]
