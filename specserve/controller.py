@@ -344,7 +344,7 @@ stood within 1-2% of each other. So the decision reads each depth's predicted go
 what the running requests have decoded so far where that is more: they will decode at least
 that, and an L learnt from a spell of short requests would otherwise hold the plan shallow
 until the first long ones end (the forty-seventh session: 63 plain steps of a batch of 16
-requests of 64 tokens, after 32 of 4, where the floor lets it speculate within ~10). The
+requests of 64 tokens, after 32 of 4; with the floor, 20, then depth 3). The
 guard, the bias and the step log's predictions keep the step's own goodput, which is what a
 step measures. Tried in the twenty-seventh session, it did not pay while the calibration priced
 depth 3 5-7% dear at 8-32 requests (see ``CostModel._verify_at``); with the verify pass priced

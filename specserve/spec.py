@@ -201,7 +201,7 @@ class Speculator:
             caps = [max(0, min(r.num_tokens_left - 1, room - r.num_tokens)) for r in running]
             chosen = self.controller.plan(max(1, len(running)), [r.request_id for r in running],
                                           sum(r.num_computed_tokens for r in running), caps,
-                                          sum(r.num_output_tokens for r in running) - len(running),
+                                          sum(max(0, r.num_output_tokens - 1) for r in running),
                                           [not r.params.is_greedy for r in running])
             depth = chosen.depth
             if self.tree_kind == "dynamic" and depth:
