@@ -137,6 +137,22 @@ def make_float32_pair(root) -> tuple[Path, Path]:
     return target, draft
 
 
+def make_noisy_copy(src, dest, seed: int, scale: float = 0.05) -> Path:
+    """A copy of the checkpoint at src with noise on every weight (scale times the weight's
+    std): a draft of src that accepts some tokens and rejects others."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dest = Path(dest)
+    shutil.copytree(src, dest)
+    sd = load_file(dest / "model.safetensors")
+    g = torch.Generator().manual_seed(seed)
+    sd = {k: v + scale * v.std() * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in sd.items()}
+    save_file(sd, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
 def rewrite_config(dir, **changes) -> dict:
     """Edit config.json in place (None deletes a key); returns the new contents."""
     file = Path(dir) / "config.json"

@@ -3,29 +3,20 @@ own, the figures add up (each request decodes max_tokens), and bad phases are re
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from benchmarks import workload_shift
 from benchmarks.workload_shift import Phase
 from specserve import LLM
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import make_checkpoint, make_noisy_copy
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("shift")
     target = make_checkpoint(root / "target", "llama", dtype=torch.float64)
-    draft = root / "draft"   # the target with noise on its weights: accepts some, rejects some
-    shutil.copytree(target, draft)
-    sd = load_file(draft / "model.safetensors")
-    g = torch.Generator().manual_seed(4)
-    sd = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in sd.items()}
-    save_file(sd, draft / "model.safetensors", metadata={"format": "pt"})
-    return target, draft
+    return target, make_noisy_copy(target, root / "draft", seed=4)   # accepts some, rejects some
 
 
 @pytest.mark.parametrize("lockstep", [True, False])
