@@ -1638,7 +1638,7 @@ class AdaptiveController:
         kinds, sampled_ids = self._kind_acc, self._sampled_ids
         for rid, cap in zip(ids, caps):
             r = requests.get(rid)
-            base = g if kinds is None else kinds[rid in sampled_ids]
+            base = g if kinds is None else kinds[rid in sampled_ids]   # kind_acceptance, inline
             accs = base if r is None else [(c * e + s * gk) / (c + s) for c, e, gk in zip(r.count, r.ema, base)]
             prefix = 1.0
             if cont is None and not trees:   # (the usual case, a plain chain: the same sums)
@@ -2242,8 +2242,7 @@ class AdaptiveController:
             ranks = stats.accepted_ranks[i] if with_ranks else None
             r = requests.get(rid)
             if r is None:
-                base = carried if kinds is None else kinds[rid in sampled_ids]
-                r = requests[rid] = _RequestAcceptance(list(base), [0] * K)
+                r = requests[rid] = _RequestAcceptance(list(self.kind_acceptance(rid, carried)), [0] * K)
             r.tokens += n_acc + 1
             d_i = min(d, seq_depths[i]) if seq_depths else d
             drafted = d_i if drafted_depths is None else min(d_i, drafted_depths[i])
@@ -2284,7 +2283,7 @@ class AdaptiveController:
         self._update_global_acceptance(hits, seen, carried)
         if kinds is not None:
             for kind in (False, True):
-                self._update_kind_acceptance(kind, kind_hits[kind], kind_seen[kind])
+                self._move_estimate(kinds[kind], self._kind_num_seen[kind], kind_hits[kind], kind_seen[kind])
         # Positions the step verified have fresh data; the others drift toward the position
         # above (position 1: toward the prior), so a stale low estimate recovers slowly and
         # the plan reaches that depth again to re-measure it.
@@ -2306,21 +2305,6 @@ class AdaptiveController:
         self._kind_num_seen = {False: list(self._num_seen), True: [0] * self.max_depth}
         return self._kind_acc
 
-    def _update_kind_acceptance(self, kind: bool, hits: list[float], seen: list[int]) -> None:
-        """One step's observations of one kind's requests move its estimate as
-        _update_global_acceptance moves the global one."""
-        acc, counts = self._kind_acc[kind], self._kind_num_seen[kind]
-        ga, cap = self.acceptance_alpha, self.acceptance_step_weight
-        for k, n in enumerate(seen):
-            if n == 0:
-                continue
-            before = counts[k]
-            plain = n / (before + n + _PRIOR_OBSERVATIONS - 1)
-            step = 1.0 - (1.0 - ga) ** n
-            w = max(plain, min(step, cap))
-            acc[k] += w * (hits[k] / n - acc[k])
-            counts[k] += n
-
     def _update_global_acceptance(self, hits: list[float], seen: list[int], carried: list[float]) -> None:
         """One step's observations of each position (``seen[k]`` sequences reached position
         k + 1, ``hits[k]`` of them had it accepted) move its global EMA once, toward their
@@ -2333,18 +2317,27 @@ class AdaptiveController:
         best), while one step's batch is a sample of a few tens of requests. A position's
         first observations average plainly with the prior (worth ``_PRIOR_OBSERVATIONS``),
         so the first probe replaces the guess rather than nudging it."""
-        ga = self.acceptance_alpha
+        self._move_estimate(self.acceptance, self._num_seen, hits, seen, carried)
+        for k, n in enumerate(seen):
+            self._weight[k] += n
+
+    def _move_estimate(self, acc: list[float], counts: list[int], hits: list[float], seen: list[int],
+                       carried: list[float] | None = None) -> None:
+        """In place: one step's observations move each position of `acc` once (see
+        _update_global_acceptance; each kind's estimate moves the same way). counts: the
+        observations of each position so far; carried: where a position's first data starts
+        from (None: from acc as it is)."""
+        ga, cap = self.acceptance_alpha, self.acceptance_step_weight
         for k, n in enumerate(seen):
             if n == 0:
                 continue
-            before = self._num_seen[k]
-            if before == 0:   # first data: start from the carried estimate
-                self.acceptance[k] = carried[k]
+            before = counts[k]
+            if before == 0 and carried is not None:   # first data: start from the carried estimate
+                acc[k] = carried[k]
             plain = n / (before + n + _PRIOR_OBSERVATIONS - 1)   # a running mean over prior + data
-            w = max(plain, min(1.0 - (1.0 - ga) ** n, self.acceptance_step_weight))
-            self.acceptance[k] += w * (hits[k] / n - self.acceptance[k])
-            self._num_seen[k] += n
-            self._weight[k] += n
+            w = max(plain, min(1.0 - (1.0 - ga) ** n, cap))
+            acc[k] += w * (hits[k] / n - acc[k])
+            counts[k] += n
 
     def _observe_continuation(self, stats: StepStats, d: int) -> None:
         """Each chain's continuations this step: from position k to k + 1 for k below its
