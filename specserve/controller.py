@@ -614,7 +614,8 @@ class _Row:
     Each point also keeps an EMA ``t`` of its measurements and ``x`` of its token counts; ``t``
     is what a stand-in reads, and a measured point's ``t`` is no longer read."""
 
-    __slots__ = ("points", "level", "key", "_xt", "standin_ratio", "_standins_replaced", "_last_key")
+    __slots__ = ("points", "level", "key", "_xt", "standin_ratio", "_standins_replaced", "_last_key",
+                 "_last_seconds")
 
     def __init__(self, key: Callable[[int], int] = None):
         self.points: dict[int, _EmaPoint] = {}
@@ -632,6 +633,9 @@ class _Row:
         self.standin_ratio = 1.0
         self._standins_replaced = 0
         self._last_key: int | None = None   # the point the last online measurement updated
+        # That measurement's seconds, while nothing else has measured the row since (a pass
+        # between buckets nudges the level and clears it): a comparison's other side.
+        self._last_seconds: float | None = None
 
     def current(self) -> list[_EmaPoint]:
         """The points at today's level, sorted by token count (copies)."""
@@ -674,10 +678,11 @@ class _Row:
         if level_alpha > 0:
             self.level *= 1.0 + level_alpha * (min(max(ratio, 0.5), 2.0) - 1.0)
             self._xt = None
+            self._last_seconds = None
 
     def observe(self, num_tokens: int, seconds: float, alpha: float, level_alpha: float,
                 is_reference: bool = False, provisional: bool = False, key: int | None = None,
-                cross_alpha: float = _CROSS_ALPHA) -> None:
+                cross_alpha: float = _CROSS_ALPHA, paired: bool = True) -> None:
         """is_reference: a careful measurement (calibration) that fixes the point's reference.
         provisional: a stand-in (a calibration that does not run the way the engine's steps
         do) used until the first real measurement, which then replaces it outright, value
@@ -694,6 +699,7 @@ class _Row:
             self._learn_standin_ratio(seconds, p.t * self.level / p.level)
             p.x, p.t, p.count = float(num_tokens), float(seconds), 1
             p.ref, p.ref_count, p.level = seconds / self.level, 1, self.level
+            self._last_seconds = None
             return
         if p is None and not is_reference:
             # A depth the engine runs for the first time between stand-ins (the calibration
@@ -709,9 +715,19 @@ class _Row:
         # one's cost over it is what its reference should be (see below). The run of steps
         # at one plan only moves the level.
         switched = level_alpha > 0 and self._last_key is not None and self._last_key != tb
+        cross = seconds / self.level
+        if paired and switched:
+            # Paired: over the other point's own measurement of the step before, on that
+            # point's reference (no comparison where there is none: a pass between buckets, or
+            # a point since dropped, came in between).
+            other = self.points.get(self._last_key)
+            last = self._last_seconds
+            cross = (seconds * other.ref / last if other is not None and other.ref_count > 0
+                     and last and last > 0 else None)
+            switched = cross is not None
         if level_alpha > 0:
             self._last_key = tb
-        cross = seconds / self.level
+            self._last_seconds = seconds
         # The measured points (stand-ins are not part of the shape), read only for a new point:
         # a point here that is not new is measured (stand-ins returned above), so the row has one.
         reference = self._reference() if p is None else None
@@ -750,7 +766,12 @@ class _Row:
                 # compare by their references: at 32 sequences (seventh session) 3 rows read
                 # 1.5x dearer than 4 for good, depth 2 became a dip, and adaptive sat at depth 1.
                 target = min(max(cross, 0.5 * p.ref), 2.0 * p.ref)
-                p.ref += cross_alpha * (target - p.ref)
+                if paired:
+                    # In log space: a ratio of two noisy times is skewed high (1 / t is convex),
+                    # so its plain mean would push every compared reference up.
+                    p.ref *= (target / p.ref) ** cross_alpha
+                else:
+                    p.ref += cross_alpha * (target - p.ref)
             p.update(num_tokens, seconds, alpha)
         p.level = self.level
 
@@ -787,8 +808,11 @@ class CostModel:
 
     def __init__(self, alpha: float = 0.03, level_alpha: float = 0.1, cross_alpha: float = _CROSS_ALPHA,
                  verify_by_rows: bool = True, context_rows_monotone: bool = False,
-                 between_bucket_levels: bool = True):
+                 between_bucket_levels: bool = True, paired_comparisons: bool = True):
         self.alpha = alpha
+        # A comparison reads the point over the other point's measurement of the step before
+        # (False: over the row's level; see _Row.observe).
+        self.paired_comparisons = paired_comparisons
         self.level_alpha = level_alpha
         self.cross_alpha = cross_alpha   # how far one comparison moves a point's reference
         # A verify pass at a batch size between two measured buckets: read at its rows per
@@ -942,7 +966,8 @@ class CostModel:
         # would push the row's level up for every depth. So they only stand in until the
         # engine has run that depth.
         row.observe(depth, seconds, self.alpha, self.level_alpha if track_level else 0.0,
-                    provisional=not track_level, cross_alpha=self.cross_alpha)
+                    provisional=not track_level, cross_alpha=self.cross_alpha,
+                    paired=self.paired_comparisons)
 
     def t_draft_total(self, batch_size: int, depth: int, context_tokens: int | None = None) -> float:
         """Seconds of `depth` draft levels. Measured totals by depth where the engine has run
@@ -983,7 +1008,8 @@ class CostModel:
         # token bucket: at 16 sequences depths 2 and 3 (48 and 64 tokens) would share a point,
         # and on the CPU their costs differ by odd/even row effects a bucket's mean blurs.
         row.observe(num_tokens, seconds, self.alpha, self.level_alpha if track_level else 0.0,
-                    is_reference=not track_level, key=rows, cross_alpha=self.cross_alpha)
+                    is_reference=not track_level, key=rows, cross_alpha=self.cross_alpha,
+                    paired=self.paired_comparisons)
 
     def t_draft(self, batch_size: int) -> float:
         if not self._draft:
@@ -1291,6 +1317,7 @@ class AdaptiveController:
         verify_by_rows: bool = True,
         context_rows_monotone: bool = False,
         between_bucket_levels: bool = True,
+        paired_comparisons: bool = True,
         churn_steps: float = 1.5,
         churn_alpha: float = 0.05,
     ):
@@ -1387,7 +1414,8 @@ class AdaptiveController:
             raise ValueError(f"cross_alpha must be in [0, 1], got {cross_alpha}")
         self.costs = CostModel(cost_alpha, cross_alpha=cross_alpha, verify_by_rows=verify_by_rows,
                                context_rows_monotone=context_rows_monotone,
-                               between_bucket_levels=between_bucket_levels)
+                               between_bucket_levels=between_bucket_levels,
+                               paired_comparisons=paired_comparisons)
         # Global per-position acceptance a_k (index k-1) and sibling acceptance b.
         self.acceptance = [prior_acceptance] * max_depth
         # Early stop (chains): continuation c_k = P(a chain allowed past depth k that reached it

@@ -1,5 +1,6 @@
 """The adaptive controller on synthetic cost models and synthetic acceptance (no torch)."""
 
+import math
 import random
 
 import pytest
@@ -1397,19 +1398,29 @@ def test_a_point_first_measured_on_another_scale_is_brought_into_line_by_its_nei
 @pytest.mark.parametrize("cross_alpha", [0.0, 0.1, 0.3])
 def test_how_far_one_comparison_moves_a_reference(cross_alpha):
     # Calibrated with 5 rows 10% too cheap beside 4 (the server's verify pass has kinks the idle
-    # calibration misses); the plan runs 4 rows and explores 5 one step in 16. After n such
-    # comparisons 5 rows' error is (1 - cross_alpha) ** n of the calibrated one: 0 keeps the
-    # calibration's shape, and the default 0.1 leaves a third of it after ten explorations.
+    # calibration misses); the plan runs 4 rows and explores 5 one step in 16. Each exploration
+    # is two comparisons: 5 rows over the 4-row step before it, then 4 rows over that 5-row
+    # step. Each moves the pair's log ratio by cross_alpha of its error, so after ten
+    # explorations 5 rows' log error is (1 - cross_alpha) ** 20 of the calibrated one: 0 keeps
+    # the calibration's shape, the default 0.1 leaves an eighth of it.
     cost = lambda rows: 0.008 + 0.004 * rows  # noqa: E731
-    cm = CostModel(cross_alpha=cross_alpha)
-    for rows in (1, 2, 4, 9):
-        cm.observe_verify(32, 32 * rows, cost(rows), track_level=False)
-    cm.observe_verify(32, 32 * 5, 0.9 * cost(5), track_level=False)
-    for step in range(1, 161):
-        rows = 5 if step % 16 == 0 else 4
-        cm.observe_verify(32, 32 * rows, cost(rows))
-    error = cm.t_verify(32, 32 * 5) / cm.t_verify(32, 32 * 4) / (cost(5) / cost(4)) - 1.0
-    assert error == pytest.approx(-0.1 * (1.0 - cross_alpha) ** 10, abs=0.005)
+
+    def error_after_ten(**kw):
+        cm = CostModel(cross_alpha=cross_alpha, **kw)
+        for rows in (1, 2, 4, 9):
+            cm.observe_verify(32, 32 * rows, cost(rows), track_level=False)
+        cm.observe_verify(32, 32 * 5, 0.9 * cost(5), track_level=False)
+        for step in range(1, 161):
+            rows = 5 if step % 16 == 0 else 4
+            cm.observe_verify(32, 32 * rows, cost(rows))
+        return cm.t_verify(32, 32 * 5) / cm.t_verify(32, 32 * 4) / (cost(5) / cost(4))
+
+    assert math.log(error_after_ten()) == pytest.approx(math.log(0.9) * (1.0 - cross_alpha) ** 20,
+                                                        abs=0.003)
+    # Over the row's level (paired_comparisons=False, until the forty-eighth session): only the
+    # explored point moves, as a plain mean, (1 - cross_alpha) ** 10.
+    assert error_after_ten(paired_comparisons=False) - 1.0 == pytest.approx(
+        -0.1 * (1.0 - cross_alpha) ** 10, abs=0.005)
     with pytest.raises(ValueError, match="cross_alpha"):
         AdaptiveController(cross_alpha=1.5)
     assert AdaptiveController(cross_alpha=cross_alpha).costs.cross_alpha == cross_alpha
