@@ -131,14 +131,23 @@ the plans it measured during spells, so nothing measured them again). A new poin
 measured ones starts from their interpolation (the curve is smooth in the rows, and its first
 measurements over a level that still lags, at a bucket's first steps under load, read 1.8x its
 neighbours in the eighth session's logs); beyond them, from the mean of its first few
-measurements over the level. It then follows *comparisons*: a measurement right after the row measured another point (an exploration, a
-switch) moves it by 0.1 toward seconds / level, the level then standing for the other point at
-that moment. Frozen after its first few samples (until the seventh session), a reference kept
-whatever mismatch the level had then, standing for a point measured on another scale (the idle
-calibration, or a load since gone), and in steady state points compare by their references:
-at 16 and 32 sequences 3 and 5 verify rows and 4 draft levels read 1.5x dearer than their
-neighbours for good, the predicted goodput dipped at depths 2-4, the band was depth 1 alone,
-and adaptive sat at depth 1-2 where 3-4 were best.
+measurements over the level. It then follows *comparisons*: a measurement right after the row
+measured another point (an exploration, a switch, the step back) moves its log by 0.1 toward
+that of ``seconds x ref_other / seconds_other``, the other point's own measurement of the step
+before on the other point's reference. Frozen after its first few samples (until the seventh
+session), a reference kept whatever mismatch the level had then, standing for a point measured
+on another scale (the idle calibration, or a load since gone), and in steady state points
+compare by their references: at 16 and 32 sequences 3 and 5 verify rows and 4 draft levels
+read 1.5x dearer than their neighbours for good, the predicted goodput dipped at depths 2-4,
+the band was depth 1 alone, and adaptive sat at depth 1-2 where 3-4 were best. Until the
+forty-eighth session a comparison read ``seconds / level``, the level standing for the other
+point; but every pass moves the level (the plan's own steps, passes between buckets nudging
+it), so the shape tilted with whichever depth was held: s46a's adaptive steps replayed through
+a fresh calibration left 4 verify rows at 16 sequences 7-11% dear beside 2, 3, 5 and 6 rows
+(9-16% at 32), and the plan stayed off depth 3, the best static depth there. Paired, a
+comparison sees the two points one step apart and nothing else; in log space, since a ratio of
+two noisy times is skewed high (``1 / t`` is convex) and its plain mean would push every
+compared reference up. (``paired_comparisons=False`` keeps the old reading.)
 
 **Between buckets.** A batch of ``b / 2 < B < b`` sequences is read from the rows of both
 buckets, each at the same rows per sequence (verify) or depth (draft), linear in ``B`` between
@@ -614,8 +623,11 @@ class _Row:
     Each point also keeps an EMA ``t`` of its measurements and ``x`` of its token counts; ``t``
     is what a stand-in reads, and a measured point's ``t`` is no longer read."""
 
+    RUN_MEAN = 4     # a comparison's other side: the mean of up to this many of its last steps
+    RUN_FRESH = 16   # of the row's last measurements and nudges
+
     __slots__ = ("points", "level", "key", "_xt", "standin_ratio", "_standins_replaced", "_last_key",
-                 "_last_seconds")
+                 "_run", "_tick")
 
     def __init__(self, key: Callable[[int], int] = None):
         self.points: dict[int, _EmaPoint] = {}
@@ -633,9 +645,11 @@ class _Row:
         self.standin_ratio = 1.0
         self._standins_replaced = 0
         self._last_key: int | None = None   # the point the last online measurement updated
-        # That measurement's seconds, while nothing else has measured the row since (a pass
-        # between buckets nudges the level and clears it): a comparison's other side.
-        self._last_seconds: float | None = None
+        # The run of measurements of that point since the row last measured another: (tick,
+        # log seconds) of its last RUN_MEAN, the other side of a comparison (see observe);
+        # the tick counts the row's measurements and nudges, so a stale run is seen as one.
+        self._run: list[tuple[int, float]] = []
+        self._tick = 0
 
     def current(self) -> list[_EmaPoint]:
         """The points at today's level, sorted by token count (copies)."""
@@ -678,7 +692,7 @@ class _Row:
         if level_alpha > 0:
             self.level *= 1.0 + level_alpha * (min(max(ratio, 0.5), 2.0) - 1.0)
             self._xt = None
-            self._last_seconds = None
+            self._tick += 1
 
     def observe(self, num_tokens: int, seconds: float, alpha: float, level_alpha: float,
                 is_reference: bool = False, provisional: bool = False, key: int | None = None,
@@ -699,7 +713,7 @@ class _Row:
             self._learn_standin_ratio(seconds, p.t * self.level / p.level)
             p.x, p.t, p.count = float(num_tokens), float(seconds), 1
             p.ref, p.ref_count, p.level = seconds / self.level, 1, self.level
-            self._last_seconds = None
+            self._run = []
             return
         if p is None and not is_reference:
             # A depth the engine runs for the first time between stand-ins (the calibration
@@ -716,18 +730,26 @@ class _Row:
         # at one plan only moves the level.
         switched = level_alpha > 0 and self._last_key is not None and self._last_key != tb
         cross = seconds / self.level
+        if level_alpha > 0:
+            self._tick += 1
         if paired and switched:
-            # Paired: over the other point's own measurement of the step before, on that
-            # point's reference (no comparison where there is none: a pass between buckets, or
-            # a point since dropped, came in between).
+            # Paired: over the other point's run just before (the geometric mean of its last
+            # few steps, on that point's reference), not over the level; none over a run gone
+            # stale. Both ways: the plan's step back after an exploration compares the plan's
+            # point with the explored one, which keeps the held point's reference on the
+            # others' scale (otherwise the level takes in its error, and every point not
+            # compared since reads off by it).
             other = self.points.get(self._last_key)
-            last = self._last_seconds
-            cross = (seconds * other.ref / last if other is not None and other.ref_count > 0
-                     and last and last > 0 else None)
+            run = [x for t, x in self._run if t >= self._tick - self.RUN_FRESH]
+            cross = (seconds * other.ref / math.exp(sum(run) / len(run))
+                     if other is not None and other.ref_count > 0 and run else None)
             switched = cross is not None
         if level_alpha > 0:
+            if self._last_key != tb:
+                self._run = []
             self._last_key = tb
-            self._last_seconds = seconds
+            if seconds > 0:
+                self._run = self._run[1 - self.RUN_MEAN:] + [(self._tick, math.log(seconds))]
         # The measured points (stand-ins are not part of the shape), read only for a new point:
         # a point here that is not new is measured (stand-ins returned above), so the row has one.
         reference = self._reference() if p is None else None

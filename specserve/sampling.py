@@ -149,8 +149,72 @@ def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tens
     return probs
 
 
+# Candidates the top-k/top-p rows are first cut from: the highest logits of each row, found by
+# a partial selection (topk) rather than a sort of the whole vocabulary. A row whose kept set
+# ends inside them (top-p mass reached, or top-k <= this) is done with them; the others, a flat
+# distribution whose nucleus runs past them, sort the whole row.
+TOP_CANDIDATES = 64
+
+
 def _restricted_probs(scaled: Tensor, k: Tensor, p: Tensor) -> Tensor:
-    """target_probs of rows with top-k or top-p: scaled = logits / T [R, V]; k [R], p [R]."""
+    """target_probs of rows with top-k or top-p: scaled = logits / T [R, V]; k [R], p [R].
+
+    A stable sort of every row over the vocabulary is what defines the kept set, and the
+    fallback; most rows keep a few tokens, so they are first cut from the row's top
+    candidates (see _candidate_probs), which gives the same set and probabilities."""
+    vocab_size = scaled.shape[1]
+    limited = k < vocab_size
+    m = TOP_CANDIDATES
+    if bool(limited.any()):
+        m = max(m, int(k[limited].max()))
+    if 4 * (m + 1) > vocab_size:   # a partial selection would not spare much: sort
+        return _sorted_probs(scaled, k, p)
+    probs, done = _candidate_probs(scaled, k, p, m)
+    if not bool(done.all()):
+        rest = (~done).nonzero().squeeze(1)
+        probs[rest] = _sorted_probs(scaled[rest], k[rest], p[rest])
+    return probs
+
+
+def _candidate_probs(scaled: Tensor, k: Tensor, p: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    """target_probs from each row's m highest logits, and which rows they are exact for.
+
+    The candidates, ordered as the stable sort orders them (value descending, then token id),
+    are a prefix of the sorted row wherever their values stay above the (m + 1)-th highest
+    logit. A row is exact when its kept set ends before the last candidate (or at it, by top-k
+    = m), with its last kept value, and its k-th where top-k normalises, above that logit:
+    a tie across the cut would leave which tied token is kept to topk's arbitrary order."""
+    num_rows, vocab_size = scaled.shape
+    values, ids = scaled.topk(m + 1, dim=-1, sorted=True)                   # [R, m + 1]
+    outside = values[:, m]                                                  # the best not kept
+    values, ids = values[:, :m], ids[:, :m]
+    order = ids.argsort(dim=-1)                                             # ties: by token id
+    values, ids = values.gather(-1, order), ids.gather(-1, order)
+    order = values.argsort(dim=-1, descending=True, stable=True)
+    values, ids = values.gather(-1, order), ids.gather(-1, order)
+    ranks = torch.arange(m, device=scaled.device)
+    keep = ranks[None, :] < k[:, None]                                      # top-k
+    # The softmax over the top-k set: its candidates (k <= m), or the whole row (no top-k;
+    # k between m and the vocabulary never comes here: m is at least every such k).
+    whole = k >= vocab_size
+    log_norm = torch.where(whole, torch.logsumexp(scaled, dim=-1),
+                           torch.logsumexp(values.masked_fill(~keep, -math.inf), dim=-1))
+    cand_probs = torch.exp(values - log_norm[:, None]).masked_fill(~keep, 0.0)
+    mass_before = cand_probs.cumsum(dim=-1) - cand_probs
+    keep &= (mass_before < p[:, None]) | (p[:, None] >= 1.0) | (ranks[None, :] == 0)
+    count = keep.sum(dim=-1)                                                # >= 1
+    last = values.gather(-1, (count - 1)[:, None]).squeeze(1)
+    kth = values.gather(-1, (k.clamp(max=m) - 1)[:, None]).squeeze(1)
+    done = (((count < m) | (k == m)) & (last > outside)
+            & (whole | (kth > outside)))
+    cand_probs = cand_probs.masked_fill(~keep, 0.0)
+    cand_probs = cand_probs / cand_probs.sum(dim=-1, keepdim=True)
+    probs = torch.zeros_like(scaled).scatter_(-1, ids, cand_probs)
+    return probs, done
+
+
+def _sorted_probs(scaled: Tensor, k: Tensor, p: Tensor) -> Tensor:
+    """_restricted_probs by a stable sort of each whole row."""
     vocab_size = scaled.shape[1]
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(vocab_size, device=scaled.device)                       # [V]

@@ -1395,6 +1395,44 @@ def test_a_point_first_measured_on_another_scale_is_brought_into_line_by_its_nei
     assert cm.t_verify(32, 32 * 4) == pytest.approx(1.5 * cost(4), rel=0.03)
 
 
+def test_the_held_depth_does_not_tilt_the_shape_through_the_level():
+    # Buckets 8 and 16 calibrated at their true costs. The plan holds 4 rows at 16 sequences
+    # and explores 3 and 5 in turn, one step in 16; every other step of the batch is at 14
+    # sequences (requests end, others start), read between the two buckets, where the true
+    # pass of 4 rows costs 8% more than that reading (a kink between the buckets). Those
+    # passes nudge bucket 16's level up; the 16-sequence steps bring it back. Compared over
+    # the level, the explored points (and 4 rows, on the step back) read off by wherever the
+    # level stood just then, and 3 and 5 rows settle 2% dear beside 4: a tilt that comes from
+    # which depth is held and how the batch moves, not from the passes' costs. Compared with
+    # the step before's own measurement, the explored points keep their true ratio to 4 rows.
+    def cost(b, rows):
+        return 0.002 + 0.0004 * b * rows + 0.0001 * b * rows * rows
+
+    def kinked(b, rows):
+        return cost(b, rows) * (1.08 if b == 14 and rows == 4 else 1.0)
+
+    def shape_error(**kw):
+        cm = CostModel(**kw)
+        for b in (8, 16):
+            for rows in range(1, 8):
+                cm.observe_verify(b, b * rows, cost(b, rows), track_level=False)
+        explored = 0
+        for step in range(1, 961):
+            if step % 16 == 0:
+                explored += 1
+                rows = 3 if explored % 2 else 5
+                cm.observe_verify(16, 16 * rows, cost(16, rows))
+            elif step % 2:
+                cm.observe_verify(14, 14 * 4, kinked(14, 4))
+            else:
+                cm.observe_verify(16, 16 * 4, cost(16, 4))
+        return [cm.t_verify(16, 16 * r) / cm.t_verify(16, 64) / (cost(16, r) / cost(16, 4)) - 1.0
+                for r in (3, 5)]
+
+    assert all(abs(e) < 0.01 for e in shape_error()), shape_error()
+    assert all(e > 0.015 for e in shape_error(paired_comparisons=False))
+
+
 @pytest.mark.parametrize("cross_alpha", [0.0, 0.1, 0.3])
 def test_how_far_one_comparison_moves_a_reference(cross_alpha):
     # Calibrated with 5 rows 10% too cheap beside 4 (the server's verify pass has kinks the idle

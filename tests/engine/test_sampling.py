@@ -160,7 +160,7 @@ def test_sampling_tensors_from_params():
 def test_rows_that_keep_every_token_skip_the_sort_and_match_it(dtype):
     """Unrestricted rows take softmax(logits / T) directly; restricted rows in the same batch
     still go through the sort; both equal what the sorted path gives every row."""
-    from specserve.sampling import _restricted_probs
+    from specserve.sampling import _sorted_probs
     g = torch.Generator().manual_seed(3)
     logits = (torch.randn(6, 4096, generator=g) * 3).to(dtype)
     t = torch.tensor([1.0, 0.7, 0.0, 1.3, 0.5, 1.0])
@@ -170,8 +170,8 @@ def test_rows_that_keep_every_token_skip_the_sort_and_match_it(dtype):
     assert probs.dtype == dtype
     scaled = logits / torch.where(t < 1e-5, 1.0, t).to(dtype)[:, None]
     everything = torch.full((6,), 4096)
-    reference = _restricted_probs(scaled, torch.where((k <= 0) | (t < 1e-5), everything, k),
-                                  torch.where(t < 1e-5, 1.0, p).to(dtype))
+    reference = _sorted_probs(scaled, torch.where((k <= 0) | (t < 1e-5), everything, k),
+                              torch.where(t < 1e-5, 1.0, p).to(dtype))
     torch.testing.assert_close(probs, reference)
     assert (probs[3] > 0).sum() == 50 and (probs[0] > 0).all()
     # The hint gives the same, with or without restricted rows.
@@ -179,6 +179,38 @@ def test_rows_that_keep_every_token_skip_the_sort_and_match_it(dtype):
     free = [0, 1, 2, 5]
     torch.testing.assert_close(target_probs(logits[free], t[free], torch.zeros(4, dtype=torch.long),
                                             torch.ones(4), any_restricted=False), reference[free])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_top_candidates_give_what_the_sort_of_the_whole_row_gives(dtype):
+    """Top-k/top-p rows are cut from their highest logits (a partial selection) where the kept
+    set ends inside them, and sort the whole row where it does not: either way the set and
+    the probabilities are the sorted path's, ties across the cut included."""
+    from specserve.sampling import TOP_CANDIDATES, _candidate_probs, _restricted_probs, _sorted_probs
+    g = torch.Generator().manual_seed(11)
+    num_rows, vocab_size = 240, 4096
+    spread = torch.tensor([0.3, 1.0, 3.0, 8.0]).repeat(num_rows // 4)[:, None]   # flat .. peaked
+    logits = (torch.randn(num_rows, vocab_size, generator=g) * spread).to(dtype)
+    logits[::3] = torch.round(logits[::3] * 2) / 2          # many ties, some across the cut
+    logits[1::5, : vocab_size // 2] = -math.inf              # banned tokens (min_tokens)
+    ks = torch.tensor([vocab_size, 1, 5, TOP_CANDIDATES, 40, 200])
+    ps = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.99, 0.8])
+    k = ks[torch.arange(num_rows) % len(ks)]
+    p = ps[torch.arange(num_rows) % len(ps)].to(dtype)
+    reference = _sorted_probs(logits, k, p)
+    got = _restricted_probs(logits, k, p)
+    assert torch.equal(got > 0, reference > 0)
+    torch.testing.assert_close(got, reference)
+    # Both paths ran: rows exact from the candidates, and rows the sort had to finish (a flat
+    # row whose nucleus runs past them, or a tie across the cut).
+    _, done = _candidate_probs(logits, k, p, int(k[k < vocab_size].max()))
+    assert 0.3 < done.double().mean() < 0.95
+    tied = torch.tensor([[5.0] * 70 + [0.0] * 4026], dtype=dtype)   # 70 tied at the top
+    one = torch.tensor([TOP_CANDIDATES])
+    _, done = _candidate_probs(tied, one, torch.ones(1, dtype=dtype), TOP_CANDIDATES)
+    assert not done.any()
+    kept = _restricted_probs(tied, one, torch.ones(1, dtype=dtype))[0].nonzero().flatten()
+    assert kept.tolist() == list(range(TOP_CANDIDATES))     # the lowest ids, as the sort keeps
 
 
 def test_params_defaults_and_greedy():

@@ -574,7 +574,8 @@ def test_sweep_restarts_its_servers_every_round_when_asked(tmp_path):
 def _fake_sweep_server(tmp_path):
     """A server script for sweep.main's --server-cmd that notes '<pid> start <args>', '<pid>
     serve <setting>' per completion and '<pid> reset' per prefix-cache reset in a log file;
-    the admin routes only with --admin-api. Returns (script, log, a free port)."""
+    the admin routes only with --admin-api. Returns (script, log, a port free with the three
+    after it)."""
     import socket
     from pathlib import Path
 
@@ -609,9 +610,25 @@ def _fake_sweep_server(tmp_path):
         "    app.router.add_post('/admin/speculation', switch)\n"
         "    app.router.add_post('/admin/reset_prefix_cache', reset)\n"
         "web.run_app(app, host='127.0.0.1', port=int(sys.argv[1]), print=None)\n")
-    with socket.socket() as a:
-        a.bind(("127.0.0.1", 0))
-        port = a.getsockname()[1]
+    # sweep --interleave starts its servers at once on --port, --port + 1, ...: each of them
+    # must be free, not only the first (one taken by another process failed the test now and
+    # then, a server that could not bind).
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+        socks = []
+        try:
+            for p in range(port, port + 4):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            break
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
     return script, log, port
 
 
