@@ -133,8 +133,9 @@ measurements over a level that still lags, at a bucket's first steps under load,
 neighbours in the eighth session's logs); beyond them, from the mean of its first few
 measurements over the level. It then follows *comparisons*: a measurement right after the row
 measured another point (an exploration, a switch, the step back) moves its log by 0.1 toward
-that of ``seconds x ref_other / seconds_other``, the other point's own measurement of the step
-before on the other point's reference. Frozen after its first few samples (until the seventh
+that of ``seconds x ref_other / seconds_other``: ``seconds_other`` the geometric mean of the
+other point's run just before (its last steps, up to four), read on the other point's
+reference. Frozen after its first few samples (until the seventh
 session), a reference kept whatever mismatch the level had then, standing for a point measured
 on another scale (the idle calibration, or a load since gone), and in steady state points
 compare by their references: at 16 and 32 sequences 3 and 5 verify rows and 4 draft levels
@@ -145,9 +146,12 @@ point; but every pass moves the level (the plan's own steps, passes between buck
 it), so the shape tilted with whichever depth was held: s46a's adaptive steps replayed through
 a fresh calibration left 4 verify rows at 16 sequences 7-11% dear beside 2, 3, 5 and 6 rows
 (9-16% at 32), and the plan stayed off depth 3, the best static depth there. Paired, a
-comparison sees the two points one step apart and nothing else; in log space, since a ratio of
-two noisy times is skewed high (``1 / t`` is convex) and its plain mean would push every
-compared reference up. (``paired_comparisons=False`` keeps the old reading.)
+comparison sees the two points a few steps apart and nothing else. Both ways: the plan's step
+back after an exploration compares the held point with the explored one, which keeps the held
+point on the others' scale (read only one way, the level took in the held point's error, and
+the points not compared since read 10-12% off in test_controller.py's trap). In log space,
+since a ratio of two noisy times is skewed high (``1 / t`` is convex) and its plain mean would
+push every compared reference up. (``paired_comparisons=False`` keeps the old reading.)
 
 **Between buckets.** A batch of ``b / 2 < B < b`` sequences is read from the rows of both
 buckets, each at the same rows per sequence (verify) or depth (draft), linear in ``B`` between
@@ -725,9 +729,9 @@ class _Row:
             if len(standins) >= 2 and standins[0].x <= num_tokens <= standins[-1].x:
                 self._learn_standin_ratio(seconds, _interp_points(standins, num_tokens))
         # A measurement right after the row measured another point compares this point with
-        # that one at one moment: the level then stands for the other point's cost, and this
-        # one's cost over it is what its reference should be (see below). The run of steps
-        # at one plan only moves the level.
+        # that one at one moment: this one's cost over the other's, times the other's
+        # reference, is what its reference should be (see below; unpaired, the level stands
+        # for the other's cost). The run of steps at one plan only moves the level.
         switched = level_alpha > 0 and self._last_key is not None and self._last_key != tb
         cross = seconds / self.level
         if level_alpha > 0:
@@ -832,8 +836,8 @@ class CostModel:
                  verify_by_rows: bool = True, context_rows_monotone: bool = False,
                  between_bucket_levels: bool = True, paired_comparisons: bool = True):
         self.alpha = alpha
-        # A comparison reads the point over the other point's measurement of the step before
-        # (False: over the row's level; see _Row.observe).
+        # A comparison reads the point over the other point's run just before (False: over
+        # the row's level; see _Row.observe).
         self.paired_comparisons = paired_comparisons
         self.level_alpha = level_alpha
         self.cross_alpha = cross_alpha   # how far one comparison moves a point's reference

@@ -153,7 +153,7 @@ def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tens
 # a partial selection (topk) rather than a sort of the whole vocabulary. A row whose kept set
 # ends inside them (top-p mass reached, or top-k <= this) is done with them; the others, a flat
 # distribution whose nucleus runs past them, sort the whole row.
-TOP_CANDIDATES = 64
+TOP_CANDIDATES = 256
 
 
 def _restricted_probs(scaled: Tensor, k: Tensor, p: Tensor) -> Tensor:

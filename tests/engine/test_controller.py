@@ -1404,7 +1404,7 @@ def test_the_held_depth_does_not_tilt_the_shape_through_the_level():
     # the level, the explored points (and 4 rows, on the step back) read off by wherever the
     # level stood just then, and 3 and 5 rows settle 2% dear beside 4: a tilt that comes from
     # which depth is held and how the batch moves, not from the passes' costs. Compared with
-    # the step before's own measurement, the explored points keep their true ratio to 4 rows.
+    # the run of steps before, the explored points keep their true ratio to 4 rows.
     def cost(b, rows):
         return 0.002 + 0.0004 * b * rows + 0.0001 * b * rows * rows
 
@@ -1437,7 +1437,7 @@ def test_the_held_depth_does_not_tilt_the_shape_through_the_level():
 def test_how_far_one_comparison_moves_a_reference(cross_alpha):
     # Calibrated with 5 rows 10% too cheap beside 4 (the server's verify pass has kinks the idle
     # calibration misses); the plan runs 4 rows and explores 5 one step in 16. Each exploration
-    # is two comparisons: 5 rows over the 4-row step before it, then 4 rows over that 5-row
+    # is two comparisons: 5 rows over the 4-row run before it, then 4 rows over that 5-row
     # step. Each moves the pair's log ratio by cross_alpha of its error, so after ten
     # explorations 5 rows' log error is (1 - cross_alpha) ** 20 of the calibrated one: 0 keeps
     # the calibration's shape, the default 0.1 leaves an eighth of it.

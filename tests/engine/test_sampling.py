@@ -203,9 +203,9 @@ def test_top_candidates_give_what_the_sort_of_the_whole_row_gives(dtype):
     torch.testing.assert_close(got, reference)
     # Both paths ran: rows exact from the candidates, and rows the sort had to finish (a flat
     # row whose nucleus runs past them, or a tie across the cut).
-    _, done = _candidate_probs(logits, k, p, int(k[k < vocab_size].max()))
+    _, done = _candidate_probs(logits, k, p, max(TOP_CANDIDATES, int(k[k < vocab_size].max())))
     assert 0.3 < done.double().mean() < 0.95
-    tied = torch.tensor([[5.0] * 70 + [0.0] * 4026], dtype=dtype)   # 70 tied at the top
+    tied = torch.tensor([[5.0] * 70 + [0.0] * 4026], dtype=dtype)   # 4026 tied across the cut
     one = torch.tensor([TOP_CANDIDATES])
     _, done = _candidate_probs(tied, one, torch.ones(1, dtype=dtype), TOP_CANDIDATES)
     assert not done.any()
