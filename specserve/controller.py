@@ -385,11 +385,13 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, NamedTuple, Sequence
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
+    """A named tuple, not a frozen dataclass: plans key the dicts every evaluation builds and
+    reads (tens of lookups a step), and a tuple hashes and compares in C."""
+
     depth: int       # draft steps; 0 = plain decode, draft idle
     num_nodes: int   # tree nodes excluding the root; == depth for a chain, 0 for plain decode
 
@@ -1690,16 +1692,36 @@ class AdaptiveController:
         s = self.request_shrinkage
         requests = self._requests
         kinds, sampled_ids = self._kind_acc, self._sampled_ids
+        plain_chain = cont is None and not trees
+        # A request without its own figures (just admitted) reads its kind's estimate as it
+        # stands: those prefix products are the same for every such request, taken once.
+        base_prefixes: dict[int, list[float]] = {}
         for rid, cap in zip(ids, caps):
             r = requests.get(rid)
             base = g if kinds is None else kinds[rid in sampled_ids]   # kind_acceptance, inline
+            m = cap if cap < K else K
+            if plain_chain:   # (the usual case, a plain chain: the same sums)
+                prefix = 1.0
+                if r is None:
+                    prefixes = base_prefixes.get(id(base))
+                    if prefixes is None:
+                        prefixes = base_prefixes[id(base)] = []
+                        for a in base:
+                            prefix *= a
+                            prefixes.append(prefix)
+                    for k in range(m):
+                        gained[k] += prefixes[k]
+                else:
+                    # request_acceptance, inline: its EMA shrunk toward the base, position by
+                    # position, only as deep as the request can go.
+                    count, ema = r.count, r.ema
+                    for k in range(m):
+                        c = count[k]
+                        prefix *= (c * ema[k] + s * base[k]) / (c + s)
+                        gained[k] += prefix
+                continue
             accs = base if r is None else [(c * e + s * gk) / (c + s) for c, e, gk in zip(r.count, r.ema, base)]
             prefix = 1.0
-            if cont is None and not trees:   # (the usual case, a plain chain: the same sums)
-                for k in range(cap if cap < K else K):
-                    prefix *= accs[k]
-                    gained[k] += prefix
-                continue
             for k in range(min(cap, K)):
                 a = accs[k]
                 if cont is not None:
@@ -1878,8 +1900,9 @@ class AdaptiveController:
         # estimates it reads move by an EMA step per engine step. Four times as long where the
         # chains stop on their own (the plan then only says whether to speculate, and what
         # goodput the thresholds weigh a node against).
+        K = self.max_depth
         batch_key = (batch_size, tuple(request_ids),
-                     None if depth_caps is None else tuple(min(c, self.max_depth) for c in depth_caps))
+                     None if depth_caps is None else tuple([c if c < K else K for c in depth_caps]))
         self._since_evaluated += 1
         fresh = (self._scores is None or batch_key != self._scores_key
                  or self._since_evaluated >= self.replan_interval * (4 if self._own_stops(batch_size) else 1))
