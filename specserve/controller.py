@@ -384,6 +384,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, NamedTuple, Sequence
 
@@ -654,7 +655,7 @@ class _Row:
         # The run of measurements of that point since the row last measured another: (tick,
         # log seconds) of its last RUN_MEAN, the other side of a comparison (see observe);
         # the tick counts the row's measurements and nudges, so a stale run is seen as one.
-        self._run: list[tuple[int, float]] = []
+        self._run: deque[tuple[int, float]] = deque(maxlen=self.RUN_MEAN)
         self._tick = 0
 
     def current(self) -> list[_EmaPoint]:
@@ -719,7 +720,7 @@ class _Row:
             self._learn_standin_ratio(seconds, p.t * self.level / p.level)
             p.x, p.t, p.count = float(num_tokens), float(seconds), 1
             p.ref, p.ref_count, p.level = seconds / self.level, 1, self.level
-            self._run = []
+            self._run.clear()
             return
         if p is None and not is_reference:
             # A depth the engine runs for the first time between stand-ins (the calibration
@@ -752,10 +753,10 @@ class _Row:
             switched = cross is not None
         if level_alpha > 0:
             if self._last_key != tb:
-                self._run = []
+                self._run.clear()
             self._last_key = tb
             if seconds > 0:
-                self._run = self._run[1 - self.RUN_MEAN:] + [(self._tick, math.log(seconds))]
+                self._run.append((self._tick, math.log(seconds)))
         # The measured points (stand-ins are not part of the shape), read only for a new point:
         # a point here that is not new is measured (stand-ins returned above), so the row has one.
         reference = self._reference() if p is None else None

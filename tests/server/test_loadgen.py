@@ -508,7 +508,6 @@ def test_sweep_restarts_its_servers_every_round_when_asked(tmp_path):
     """--interleave --rounds N --restart-per-round: every round gets fresh server processes
     (a process keeps its own pace for life, so a setting's rounds must not share one);
     without it, one process per setting serves every round."""
-    import socket
     import sys
     from pathlib import Path
 
@@ -532,23 +531,10 @@ def test_sweep_restarts_its_servers_every_round_when_asked(tmp_path):
         "app.router.add_get('/health', health)\n"
         "web.run_app(app, host='127.0.0.1', port=int(sys.argv[1]), print=None)\n")
 
-    def free_port_pair() -> int:
-        for _ in range(50):
-            with socket.socket() as a:
-                a.bind(("127.0.0.1", 0))
-                port = a.getsockname()[1]
-                try:
-                    with socket.socket() as b:
-                        b.bind(("127.0.0.1", port + 1))
-                        return port
-                except OSError:
-                    continue
-        raise RuntimeError("no two free consecutive ports")
-
     def run(out: str, *flags: str) -> list[str]:
         pids.write_text("")
         sweep.main(["--model", "m", "--server-cmd", f"{sys.executable} {script} {{port}} {{overrides}}",
-                    "--settings", "none", "static1", "--port", str(free_port_pair()), "--concurrency", "1",
+                    "--settings", "none", "static1", "--port", str(_free_ports(2)), "--concurrency", "1",
                     "--interleave", "--rounds", "2", "--warmup-requests", "0", *flags,
                     "--out-dir", str(tmp_path / out), "--", "--num-prompts", "2", "--no-progress"])
         return pids.read_text().splitlines()
@@ -576,7 +562,6 @@ def _fake_sweep_server(tmp_path):
     serve <setting>' per completion and '<pid> reset' per prefix-cache reset in a log file;
     the admin routes only with --admin-api. Returns (script, log, a port free with the three
     after it)."""
-    import socket
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
@@ -611,25 +596,32 @@ def _fake_sweep_server(tmp_path):
         "    app.router.add_post('/admin/reset_prefix_cache', reset)\n"
         "web.run_app(app, host='127.0.0.1', port=int(sys.argv[1]), print=None)\n")
     # sweep --interleave starts its servers at once on --port, --port + 1, ...: each of them
-    # must be free, not only the first (one taken by another process failed the test now and
-    # then, a server that could not bind).
+    # must be free, not only the first.
+    return script, log, _free_ports(4)
+
+
+def _free_ports(n: int) -> int:
+    """A port free with the n - 1 after it (one taken by another process failed a sweep test
+    now and then: a server that could not bind)."""
+    import socket
+
     for _ in range(100):
         with socket.socket() as a:
             a.bind(("127.0.0.1", 0))
             port = a.getsockname()[1]
         socks = []
         try:
-            for p in range(port, port + 4):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            break
+            for p in range(port, port + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", p))
+            return port
         except OSError:
             continue
         finally:
-            for s in socks:
-                s.close()
-    return script, log, port
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {n} free consecutive ports")
 
 
 def test_sweep_one_process_switches_one_server_between_settings(tmp_path):
