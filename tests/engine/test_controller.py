@@ -1205,7 +1205,7 @@ def test_the_mean_request_length_is_learnt_from_finished_requests():
     finish_requests(ctrl, [40])
     assert ctrl.snapshot()["request_tokens"] == pytest.approx(40.0)
     factors = ctrl.churn_factors(scores)
-    assert factors == pytest.approx([1.0 / (1.0 + 1.5 * (1.0 + 0.8 * d) / 40.0) for d in range(5)])
+    assert factors == pytest.approx([1.0 / (1.0 + ctrl.churn_steps * (1.0 + 0.8 * d) / 40.0) for d in range(5)])
     # Later requests move it by churn_alpha; a request that never decoded does not count.
     ctrl.forget("never-seen")
     finish_requests(ctrl, [140])
@@ -1233,7 +1233,7 @@ def test_the_mean_request_length_counts_what_plain_steps_decoded():
     ctrl.forget("nothing-decoded", num_tokens=0)   # no decode step: no slot cycle to count
     assert ctrl._num_finished == 5
     scores = {Plan(d, d): (100.0, 1.0 + 0.8 * d) for d in range(5)}
-    assert ctrl.churn_factors(scores)[3] == pytest.approx(1.0 / (1.0 + 1.5 * 3.4 / 83.0))
+    assert ctrl.churn_factors(scores)[3] == pytest.approx(1.0 / (1.0 + ctrl.churn_steps * 3.4 / 83.0))
 
 
 # Step goodput over depth as it stood at 16 requests on the CPU (the twenty-sixth and
@@ -1271,7 +1271,7 @@ def test_what_the_running_requests_decoded_is_a_floor_under_the_request_length()
     scores = {Plan(d, d): v for d, v in LEVEL_TOP.items()}
     assert ctrl.churn_factors(scores, 8.0) == ctrl.churn_factors(scores)   # below the mean: the mean
     assert ctrl.churn_factors(scores, 400.0)[:7] == pytest.approx(
-        [1.0 / (1.0 + 1.5 * e / 400.0) for _, e in LEVEL_TOP.values()])
+        [1.0 / (1.0 + ctrl.churn_steps * e / 400.0) for _, e in LEVEL_TOP.values()])
     ids = [f"r{i}" for i in range(16)]
     for _ in range(40):
         plan = ctrl.plan(16, ids, decoded_tokens=10 * 16)
