@@ -17,6 +17,8 @@ setting and concurrency, pooled over cells:
     ctl ms     step time beyond draft + verify (scheduling, outputs, the controller, the
                server's share of the core), per step
     depths     share of step time at each depth (the largest shares)
+
+With --churn, also the slot-steps that decoded nothing per request served (see churn()).
 """
 
 from __future__ import annotations
@@ -357,6 +359,37 @@ def mix_markdown(mx: dict[tuple[str, int], dict]) -> str:
     for (setting, conc), m in sorted(mx.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         mixed = "-" if m["mix"] is None else f"{m['mix']:.3f}"
         lines.append(f"| {conc} | {setting} | {m['own']:.3f} | {mixed} | {m['unpriced_share']:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def churn(cells: list[tuple[str, int, dict, list[dict]]]) -> dict[tuple[str, int], dict]:
+    """Per setting and concurrency, pooled over cells: the slot-steps that decoded nothing, per
+    request served: (concurrency x the cell's steps - the sequences those steps decoded) over
+    the requests the load generator completed. What the controller's churn term prices as
+    ``churn_steps`` (see "Churn" in specserve/controller.py): a finished request's slot is empty
+    for the step its successor arrives in and that one's prompt step, and as the cell's load
+    drains. A cell without num_completed in its result is left out."""
+    acc: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    for setting, conc, res, steps in cells:
+        done = res.get("metrics", {}).get("num_completed")
+        if not done:
+            continue
+        a = acc[(setting, conc)]
+        a[0] += len(steps)
+        a[1] += sum(s["decode"] for s in steps)
+        a[2] += done
+    return {key: {"steps": n, "requests": int(req), "batch": dec / n if n else 0.0,
+                  "empty_per_request": (key[1] * n - dec) / req}
+            for key, (n, dec, req) in acc.items()}
+
+
+def churn_markdown(ch: dict[tuple[str, int], dict]) -> str:
+    lines = ["\nEmpty slot-steps a request (concurrency x steps - sequences decoded, over requests served)",
+             "| requests | setting | steps | requests served | B | empty slot-steps a request |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for (setting, conc), c in sorted(ch.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        lines.append(f"| {conc} | {setting} | {c['steps']:.0f} | {c['requests']} | {c['batch']:.2f} "
+                     f"| {c['empty_per_request']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -710,6 +743,9 @@ def main(argv=None) -> int:
     p.add_argument("--mix", action="store_true",
                    help="also, per concurrency, each controller's time at each depth priced at the fixed "
                         "settings' throughput there, over the best static depth, beside its own")
+    p.add_argument("--churn", action="store_true",
+                   help="also, per setting and concurrency, the slot-steps that decoded nothing per request "
+                        "served (what the controller's churn_steps stands for)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     cells = [c for d in args.sweep_dirs for c in cells_of(d)]
@@ -739,6 +775,8 @@ def main(argv=None) -> int:
         print(pricing_markdown(pricing(cells)), end="")
     if args.mix:
         print(mix_markdown(mix(rows)), end="")
+    if args.churn:
+        print(churn_markdown(churn(cells)), end="")
     if args.json:
         args.json.write_text(json.dumps([{"setting": s, "concurrency": c, **r} for (s, c), r in rows.items()], indent=1))
     return 0

@@ -365,7 +365,7 @@ at its rows (the thirty-second session, sweep s32f) it moved the plan at 16 and 
 from depths 4-5 to depth 3 (71% and 80% of the time), +5% and +4% of throughput there.
 ``churn_steps`` is what the fixed depths' step logs show, not the gap's step-bound part alone:
 counted over whole sweep cells (s48c, s49h: slots times steps less the sequences that decoded,
-over the requests served) 0.9 empty slot-steps a request at 1 request (the engine idles through
+over the requests served; ``benchmarks/step_report.py --churn``) 0.9 empty slot-steps a request at 1 request (the engine idles through
 the client's turnaround, and only the prompt's step counts), 2.0 at 2, 2.5 at 4, 3.3 at 8, 3.9
 at 16, 4.4 at 32 and 64, at every depth alike or growing with it: the new request's prompt
 step, the step during which it arrives, and a tail as a load drains, which 1.5 left out. 3.0

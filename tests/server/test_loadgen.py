@@ -785,6 +785,43 @@ def test_step_report_takes_each_cell_apart_from_the_step_logs(tmp_path):
     assert step_report.main([str(tmp_path / "round0" / "nothing")]) == 1
 
 
+def test_step_report_counts_the_empty_slot_steps_a_request(tmp_path, capsys):
+    """step_report.churn: concurrency x steps less the sequences decoded, over the requests
+    served, pooled over a setting's cells; a cell whose result has no num_completed is left out."""
+    from benchmarks import step_report
+
+    def step(t, decode, prefill=0):
+        return {"t": t, "depth": 3, "nodes": 3, "decode": decode, "prefill_seqs": 1 if prefill else 0,
+                "prefill_tokens": prefill, "emitted": 3 * decode, "draft_s": 0.01, "verify_s": 0.02,
+                "step_s": 0.04}
+
+    rd = tmp_path / "round0"
+    rd.mkdir()
+    # Two cells of static3 at 4 requests: 4 steps decoding 4, 3, 2 and 4 sequences (3 slot-steps
+    # empty) for 2 requests, then 2 steps decoding 4 and 1 (3 empty) for 1 request: 2 a request.
+    (rd / "static3_c4.json").write_text(json.dumps(
+        {"started_at": 10.0, "finished_at": 20.0, "metrics": {"output_throughput": 1.0, "num_completed": 2}}))
+    (rd / "static3_c8.json").write_text(json.dumps(
+        {"started_at": 30.0, "finished_at": 40.0, "metrics": {"output_throughput": 1.0}}))   # no count
+    steps = [step(11, 4), step(12, 3), step(13, 2, prefill=40), step(14, 4), step(31, 8), step(32, 8)]
+    (tmp_path / "steps_shared_round0.jsonl").write_text("\n".join(json.dumps(s) for s in steps) + "\n")
+    rd1 = tmp_path / "round1"
+    rd1.mkdir()
+    (rd1 / "static3_c4.json").write_text(json.dumps(
+        {"started_at": 50.0, "finished_at": 60.0, "metrics": {"output_throughput": 1.0, "num_completed": 1}}))
+    (tmp_path / "steps_shared_round1.jsonl").write_text(
+        "\n".join(json.dumps(s) for s in (step(51, 4), step(52, 1))) + "\n")
+
+    ch = step_report.churn(step_report.cells_of(tmp_path))
+    assert set(ch) == {("static3", 4)}
+    c = ch[("static3", 4)]
+    assert c["steps"] == 6 and c["requests"] == 3
+    assert c["batch"] == pytest.approx(18 / 6)
+    assert c["empty_per_request"] == pytest.approx((4 * 6 - 18) / 3)
+    assert step_report.main([str(tmp_path), "--churn"]) == 0
+    assert "| 4 | static3 | 6 | 3 | 3.00 | 2.00 |" in capsys.readouterr().out
+
+
 def test_step_report_prices_a_controllers_depths_at_the_fixed_depths_rates():
     """step_report.mix: the controller's time share at each depth times the fixed setting's
     throughput there, over the best static depth; depths no fixed setting ran are left out
