@@ -363,12 +363,13 @@ step measures. Tried in the twenty-seventh session, it did not pay while the cal
 depth 3 5-7% dear at 8-32 requests (see ``CostModel._verify_at``); with the verify pass priced
 at its rows (the thirty-second session, sweep s32f) it moved the plan at 16 and 32 requests
 from depths 4-5 to depth 3 (71% and 80% of the time), +5% and +4% of throughput there.
-``churn_steps`` is what the fixed depths' step logs show, not the gap's step-bound part alone:
-counted over whole sweep cells (s48c, s49h: slots times steps less the sequences that decoded,
-over the requests served; ``benchmarks/step_report.py --churn``) 0.9 empty slot-steps a request at 1 request (the engine idles through
-the client's turnaround, and only the prompt's step counts), 2.0 at 2, 2.5 at 4, 3.3 at 8, 3.9
-at 16, 4.4 at 32 and 64, at every depth alike or growing with it: the new request's prompt
-step, the step during which it arrives, and a tail as a load drains, which 1.5 left out. 3.0
+``churn_steps`` is what the fixed depths' step logs show, not the gap's step-bound part alone.
+Counted over whole sweep cells (s48c, s49h: slots times steps less the sequences that decoded,
+over the requests served; ``benchmarks/step_report.py --churn``): 0.9 empty slot-steps a
+request at 1 request (the engine idles through the client's turnaround, and only the prompt's
+step counts), 2.0 at 2, 2.5 at 4, 3.3 at 8, 3.9 at 16, 4.4 at 32 and 64, at every depth alike
+or growing with it: the new request's prompt step, the step during which it arrives, and a
+tail as a load drains, which 1.5 left out. 3.0
 against 1.5, in one server (s50a, 8 rounds at 4-16 requests): +0.8%, +2.0% and +3.1% at 4, 8
 and 16 (+-1.2% each); 4.5 no better than 3.0 at 4 and 8. Over fresh servers (s50b + s50c, 20
 rounds) the throughput ratio to the best static depth at 4-16 requests pooled as with 1.5
@@ -1734,7 +1735,7 @@ class AdaptiveController:
                 continue
             accs = base if r is None else [(c * e + s * gk) / (c + s) for c, e, gk in zip(r.count, r.ema, base)]
             prefix = 1.0
-            for k in range(min(cap, K)):
+            for k in range(m):
                 a = accs[k]
                 if cont is not None:
                     a *= cont[k]
