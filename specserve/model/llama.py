@@ -22,6 +22,7 @@ float64 all the way through: that is what the bit-exact greedy tests rely on.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -191,6 +192,31 @@ def onednn_linear_available() -> bool:
 # Batch size oneDNN is told to pack for. On the dev CPU a weight packed for 8 rows is the
 # fastest of those tried at every row count from 1 to 256 (packed for 1 row: 1.1-1.6x slower).
 _ONEDNN_PACK_ROWS = 8
+
+
+# oneDNN primitives a process keeps (its LRU cache; oneDNN's default holds 1024). A packed linear
+# is a primitive per row count: the target's five weight shapes at each number of rows a pass
+# runs (sequences x rows each, prompt chunks beside them). Creating one costs ~1 ms on the dev
+# CPU (its JIT kernels, 0.55 MiB of memory each, whatever the shape), a pass of ~60 ms at 32
+# sequences 5 ms when its row count is new. With 1024, one load of 32 requests already cycles
+# through more (252 row counts in a sweep cell: 1260 primitives), so the server kept evicting
+# and rebuilding them, and most for the setting whose row counts vary the most: in one server
+# at 32 requests the adaptive controller's depth-3 passes ran 4-5% slower than static depth 3's
+# at the same batch, rows and contexts (benchmarks/RESULTS.md, fifty-first session); with 4096
+# they ran alike. Memory: up to 0.55 MiB x this, only as the cache fills.
+ONEDNN_PRIMITIVE_CACHE = 4096
+
+
+def keep_onednn_primitives(capacity: int = ONEDNN_PRIMITIVE_CACHE) -> int:
+    """Size oneDNN's primitive cache for this process, unless ONEDNN_PRIMITIVE_CACHE_CAPACITY is
+    set already (the operator's choice stands). oneDNN reads it when it creates its first
+    primitive: called before anything runs through oneDNN (pack_for_onednn calls it), or it does
+    nothing. Returns the capacity in force from then on."""
+    value = os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
+    try:
+        return int(value)
+    except ValueError:
+        return capacity
 
 
 def pack_onednn(layer: nn.Linear) -> None:
@@ -402,6 +428,7 @@ class CausalLM(nn.Module):
         dtype, or with a torch without oneDNN."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not onednn_linear_available():
             return 0
+        keep_onednn_primitives()
         packed = 0
         for module in self.modules():
             if isinstance(module, nn.Linear) and module.weight.numel() * module.weight.element_size() >= min_layer_bytes:

@@ -9,6 +9,11 @@ model of at least `cpu_onednn_min_mib` and the layers of 1 MiB or more of a smal
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from torch import nn
@@ -44,6 +49,7 @@ def test_packed_forward_matches_transformers(arch, tiny_checkpoints):
     (table,) = random_block_tables([30])
     plain = run_chunks(model, ids, [11, 9] + [1] * 10, table)
     assert model.pack_for_onednn() == 2 * 4 + 1 and is_packed(model)  # 4 per layer (fused), the head
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" in os.environ   # sized before the first pack (keep_onednn_primitives)
     packed = run_chunks(model, ids, [11, 9] + [1] * 10, table)
     expected = hf_logits(path, ids)
     torch.testing.assert_close(packed, expected, atol=1e-4, rtol=1e-4)
@@ -119,3 +125,48 @@ def test_bad_setting_is_named():
         with_overrides(EngineConfig(), cpu_linear="mkl")
     with pytest.raises(ConfigError, match="cpu_onednn_min_mib"):
         with_overrides(EngineConfig(), cpu_onednn_min_mib=-1.0)
+
+
+# Each check of the primitive cache in a fresh interpreter: its capacity is read once per
+# process, when oneDNN creates its first primitive.
+PRIMITIVE_CACHE = """
+    import torch
+    from torch import nn
+    from specserve.model.llama import keep_onednn_primitives, linear, pack_onednn
+    print("capacity", keep_onednn_primitives())
+    layer = nn.Linear(16, 16, bias=False)
+    pack_onednn(layer)
+    x = torch.randn(1200, 16)
+    for rows in [7] + list(range(8, 1108)):   # 1100 other row counts after a pass of 7
+        linear(x[:rows], layer)
+    print("MARK", flush=True)
+    linear(x[:7], layer)
+"""
+
+
+def primitive_cache(env: dict[str, str]) -> tuple[int, str]:
+    """(the capacity in force, how the last pass of 7 rows found its primitive: 'cache_hit' or
+    'cache_miss', from oneDNN's own log)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ONEDNN_")} | {"ONEDNN_VERBOSE": "2"} | env
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(PRIMITIVE_CACHE)], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    capacity = int(next(line for line in lines if line.startswith("capacity")).split()[1])
+    after = lines[lines.index("MARK") + 1:]
+    created = [line for line in after if "create:cache_" in line and "mb7ic16oc16" in line]
+    assert created, after[:5]
+    return capacity, "cache_hit" if "create:cache_hit" in created[-1] else "cache_miss"
+
+
+def test_the_primitive_cache_keeps_a_row_count_through_a_thousand_others():
+    # The engine's default: a pass at a row count seen before, a thousand row counts ago, finds
+    # its primitive (no ~1 ms rebuild: see ONEDNN_PRIMITIVE_CACHE).
+    assert primitive_cache({}) == (4096, "cache_hit")
+
+
+def test_an_operators_primitive_cache_capacity_stands():
+    # ONEDNN_PRIMITIVE_CACHE_CAPACITY set by whoever starts the process is kept: at oneDNN's own
+    # default of 1024 the same sequence of passes evicts the primitive of 7 rows and rebuilds it
+    # (which is what the engine's larger default is for).
+    assert primitive_cache({"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}) == (1024, "cache_miss")
