@@ -211,12 +211,10 @@ def keep_onednn_primitives(capacity: int = ONEDNN_PRIMITIVE_CACHE) -> int:
     """Size oneDNN's primitive cache for this process, unless ONEDNN_PRIMITIVE_CACHE_CAPACITY is
     set already (the operator's choice stands). oneDNN reads it when it creates its first
     primitive: called before anything runs through oneDNN (pack_for_onednn calls it), or it does
-    nothing. Returns the capacity in force from then on."""
+    nothing. Returns the capacity in force from then on (oneDNN's 1024 where the variable is
+    not a number, which oneDNN ignores)."""
     value = os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
-    try:
-        return int(value)
-    except ValueError:
-        return capacity
+    return int(value) if value.strip().isdigit() else 1024
 
 
 def pack_onednn(layer: nn.Linear) -> None:
