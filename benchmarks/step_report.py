@@ -368,28 +368,34 @@ def churn(cells: list[tuple[str, int, dict, list[dict]]]) -> dict[tuple[str, int
     the requests the load generator completed. What the controller's churn term prices as
     ``churn_steps`` (see "Churn" in specserve/controller.py): a finished request's slot is empty
     for the step its successor arrives in and that one's prompt step, and as the cell's load
-    drains. A cell without num_completed in its result is left out."""
-    acc: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    drains. The drain is counted apart too: the empty slot-steps after the cell's last step
+    that ran a prompt (none: the whole cell), when the load generator has nothing left to send
+    and the slots empty one by one as the last requests end; it belongs to a load that stops,
+    not to a server's steady traffic. A cell without num_completed in its result is left out."""
+    acc: dict[tuple[str, int], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
     for setting, conc, res, steps in cells:
         done = res.get("metrics", {}).get("num_completed")
         if not done:
             continue
+        last_prompt = max((i for i, s in enumerate(steps) if s.get("prefill_seqs")), default=-1)
         a = acc[(setting, conc)]
         a[0] += len(steps)
         a[1] += sum(s["decode"] for s in steps)
         a[2] += done
+        a[3] += sum(conc - s["decode"] for s in steps[last_prompt + 1:])
     return {key: {"steps": n, "requests": int(req), "batch": dec / n if n else 0.0,
-                  "empty_per_request": (key[1] * n - dec) / req}
-            for key, (n, dec, req) in acc.items()}
+                  "empty_per_request": (key[1] * n - dec) / req, "drain_per_request": drain / req}
+            for key, (n, dec, req, drain) in acc.items()}
 
 
 def churn_markdown(ch: dict[tuple[str, int], dict]) -> str:
-    lines = ["\nEmpty slot-steps a request (concurrency x steps - sequences decoded, over requests served)",
-             "| requests | setting | steps | requests served | B | empty slot-steps a request |",
-             "|---:|---|---:|---:|---:|---:|"]
+    lines = ["\nEmpty slot-steps a request (concurrency x steps - sequences decoded, over requests served;"
+             " of them in the drain: after the cell's last prompt step)",
+             "| requests | setting | steps | requests served | B | empty slot-steps a request | of them in the drain |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
     for (setting, conc), c in sorted(ch.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         lines.append(f"| {conc} | {setting} | {c['steps']:.0f} | {c['requests']} | {c['batch']:.2f} "
-                     f"| {c['empty_per_request']:.2f} |")
+                     f"| {c['empty_per_request']:.2f} | {c['drain_per_request']:.2f} |")
     return "\n".join(lines) + "\n"
 
 

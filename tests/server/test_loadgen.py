@@ -787,7 +787,8 @@ def test_step_report_takes_each_cell_apart_from_the_step_logs(tmp_path):
 
 def test_step_report_counts_the_empty_slot_steps_a_request(tmp_path, capsys):
     """step_report.churn: concurrency x steps less the sequences decoded, over the requests
-    served, pooled over a setting's cells; a cell whose result has no num_completed is left out."""
+    served, pooled over a setting's cells, and those after a cell's last prompt step (the drain);
+    a cell whose result has no num_completed is left out."""
     from benchmarks import step_report
 
     def step(t, decode, prefill=0):
@@ -799,6 +800,8 @@ def test_step_report_counts_the_empty_slot_steps_a_request(tmp_path, capsys):
     rd.mkdir()
     # Two cells of static3 at 4 requests: 4 steps decoding 4, 3, 2 and 4 sequences (3 slot-steps
     # empty) for 2 requests, then 2 steps decoding 4 and 1 (3 empty) for 1 request: 2 a request.
+    # The drain: none after the first cell's prompt step; the second cell ran no prompt, so all of
+    # it (3 empty): 1 a request.
     (rd / "static3_c4.json").write_text(json.dumps(
         {"started_at": 10.0, "finished_at": 20.0, "metrics": {"output_throughput": 1.0, "num_completed": 2}}))
     (rd / "static3_c8.json").write_text(json.dumps(
@@ -818,8 +821,9 @@ def test_step_report_counts_the_empty_slot_steps_a_request(tmp_path, capsys):
     assert c["steps"] == 6 and c["requests"] == 3
     assert c["batch"] == pytest.approx(18 / 6)
     assert c["empty_per_request"] == pytest.approx((4 * 6 - 18) / 3)
+    assert c["drain_per_request"] == pytest.approx(3 / 3)
     assert step_report.main([str(tmp_path), "--churn"]) == 0
-    assert "| 4 | static3 | 6 | 3 | 3.00 | 2.00 |" in capsys.readouterr().out
+    assert "| 4 | static3 | 6 | 3 | 3.00 | 2.00 | 1.00 |" in capsys.readouterr().out
 
 
 def test_step_report_prices_a_controllers_depths_at_the_fixed_depths_rates():
