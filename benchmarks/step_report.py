@@ -18,7 +18,8 @@ setting and concurrency, pooled over cells:
                server's share of the core), per step
     depths     share of step time at each depth (the largest shares)
 
-With --churn, also the slot-steps that decoded nothing per request served (see churn()).
+With --churn, also the slot-steps that decoded nothing per request served, and how many of them
+fell in the drain after the last prompt (see churn()).
 """
 
 from __future__ import annotations
@@ -751,7 +752,7 @@ def main(argv=None) -> int:
                         "settings' throughput there, over the best static depth, beside its own")
     p.add_argument("--churn", action="store_true",
                    help="also, per setting and concurrency, the slot-steps that decoded nothing per request "
-                        "served (what the controller's churn_steps stands for)")
+                        "served (what the controller's churn_steps stands for), and those after the last prompt")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     cells = [c for d in args.sweep_dirs for c in cells_of(d)]
