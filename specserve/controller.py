@@ -370,10 +370,10 @@ request at 1 request (the engine idles through the client's turnaround, and only
 step counts), 2.0 at 2, 2.5 at 4, 3.3 at 8, 3.9 at 16, 4.4 at 32 and 64, at every depth alike
 or growing with it: the new request's prompt step, the step during which it arrives, and a
 tail as a load drains, which 1.5 left out. 3.0 against 1.5, in one server (s50a, 8 rounds at
-4-16 requests): +0.8%, +2.0% and +3.1% at 4, 8 and 16 (+-1.2% each); 4.5 no better than 3.0 at 4 and 8. Over fresh servers (s50b + s50c, 20
-rounds) the throughput ratio to the best static depth at 4-16 requests pooled as with 1.5
-(0.948-0.957), while the depths chosen, priced at the fixed depths' rates, came closer to the
-best at 16 requests (0.984-0.987 against 0.970).
+4-16 requests): +0.8%, +2.0% and +3.1% at 4, 8 and 16 (+-1.2% each); 4.5 no better than 3.0
+at 4 and 8. Over fresh servers (s50b + s50c, 20 rounds) the throughput ratio to the best static
+depth at 4-16 requests pooled as with 1.5 (0.948-0.957), while the depths chosen, priced at the
+fixed depths' rates, came closer to the best at 16 requests (0.984-0.987 against 0.970).
 
 **Hysteresis.** The current plan is kept unless the best plan's predicted goodput beats it by
 more than ``switch_margin`` (relative), or some other plan has been best for

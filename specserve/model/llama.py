@@ -205,16 +205,17 @@ _ONEDNN_PACK_ROWS = 8
 # at the same batch, rows and contexts (benchmarks/RESULTS.md, fifty-first session); with 4096
 # they ran alike. Memory: up to 0.55 MiB x this, only as the cache fills.
 ONEDNN_PRIMITIVE_CACHE = 4096
+ONEDNN_DEFAULT_PRIMITIVE_CACHE = 1024   # what oneDNN keeps when the variable is unset or not a number
 
 
 def keep_onednn_primitives(capacity: int = ONEDNN_PRIMITIVE_CACHE) -> int:
     """Size oneDNN's primitive cache for this process, unless ONEDNN_PRIMITIVE_CACHE_CAPACITY is
     set already (the operator's choice stands). oneDNN reads it when it creates its first
     primitive: called before anything runs through oneDNN (pack_for_onednn calls it), or it does
-    nothing. Returns the capacity in force from then on (oneDNN's 1024 where the variable is
+    nothing. Returns the capacity in force from then on (oneDNN's default where the variable is
     not a number, which oneDNN ignores)."""
     value = os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
-    return int(value) if value.strip().isdigit() else 1024
+    return int(value) if value.strip().isdigit() else ONEDNN_DEFAULT_PRIMITIVE_CACHE
 
 
 def pack_onednn(layer: nn.Linear) -> None:
