@@ -7,6 +7,7 @@ from typing import Protocol
 
 from specserve.request import Request
 from specserve.scheduler import ScheduledSeq
+from specserve.controller import EarlyStop
 from specserve.tree import DraftTree
 
 
@@ -16,26 +17,18 @@ class TreeShape:
     fixed: node at depth d gets branching[d-1] children (its draft top-k);
     dynamic: each level expands the top-`topk` children of the `topk` most probable
     frontier nodes; the best `num_nodes` nodes by path probability are kept (EAGLE-2).
-    A chain may stop short of `depth` for a sequence whose path probability fell below
-    `stop_below` (its last node, the one that fell below, is kept), and every chain of the
-    batch stops when the next level would not pay for itself (`level_below`)."""
+    Chains may be cut while drafting by `early_stop` (controller.EarlyStop)."""
 
     kind: str
     depth: int
     branching: tuple[int, ...] = ()
     topk: int = 4
-    # Chains: a sequence stops growing once its path probability (the product of the draft's
-    # probabilities of its nodes) is below this; 0 = always to `depth`.
-    stop_below: float = 0.0
-    # Chains: the next draft level runs only while the chains still growing have path
-    # probabilities over stop_below that sum to at least this (a level is one forward for the
-    # whole batch: worth it when the tokens it may add, about the sum of those probabilities,
-    # beat what it costs in the step's goodput); 0 = no such rule.
-    level_below: float = 0.0
+    early_stop: EarlyStop | None = None
 
 
 class Drafter(Protocol):
     has_kv: bool  # True when the drafter keeps KV in the shared pool (a model drafter)
+    levels_run: int  # draft forwards that grew trees in the last propose()
 
     def prefill(self, prefills: list[ScheduledSeq]) -> None:
         """Keep the drafter's KV in step with the target's prompt prefill (chunks)."""

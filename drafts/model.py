@@ -5,10 +5,10 @@ Each propose() starts with one "catch-up" forward over every token the draft has
 whose last row gives the first level of the tree. Each further level is one more forward:
 - chain: feed the newest node only; its KV lands at its final position, so after
   verification the draft keeps the KV of the accepted nodes it has fed (no copy, no redo).
-  With early stop (TreeShape.stop_below) a sequence leaves the level loop after the first
-  node whose path probability (the product of the draft's probabilities of its nodes) is
-  below the threshold; the levels run while any sequence still grows, and while the
-  growing chains' path probabilities over that threshold sum to TreeShape.level_below;
+  With early stop (TreeShape.early_stop, controller.py) a chain ends before its first node
+  whose path probability (the product of the draft's probabilities of its nodes) does not
+  pay for its verify row, and no level runs that would not pay for itself. A chain's length
+  depends on the draft's own draws only, so sampled verification stays lossless;
 - trees: feed every expanded node so far with the ancestor mask (rows are rewritten each
   level, which keeps slot use inside the reserved scratch). After verification the draft's
   tree KV is dropped and the accepted tokens are caught up in the next step's first forward.
@@ -22,7 +22,7 @@ from specserve.request import Request
 from specserve.runner import ForwardInput, ModelRunner, slots_for
 from specserve.sampling import SamplingTensors, sample, target_probs
 from specserve.scheduler import ScheduledSeq
-from specserve.tree import DraftTree
+from specserve.tree import DraftTree, ancestor_mask
 
 from .base import TreeShape
 
@@ -42,6 +42,13 @@ class _Growing:
         self.max_depth = min(shape.depth, self.budget, self.req.num_tokens_left - 1)
         self.q_rows: list[torch.Tensor | None] = []
 
+    def drop_last(self) -> None:
+        """A chain's newest node is not worth its verify row: the chain ends before it."""
+        t = self.tree
+        for column in (t.tokens, t.parents, t.is_sampled, t.path_probs, self.q_rows):
+            column.pop()
+        self.frontier = []
+
     def add(self, token: int, parent: int, prob: float, sampled: bool, q: torch.Tensor | None) -> int:
         t = self.tree
         t.tokens.append(token)
@@ -54,6 +61,7 @@ class _Growing:
 
 class ModelDrafter:
     has_kv = True
+    levels_run = 0   # draft forwards that grew trees in the last propose()
 
     def __init__(self, runner: ModelRunner, target_vocab_size: int | None = None):
         self.runner = runner
@@ -100,6 +108,7 @@ class ModelDrafter:
 
     @torch.inference_mode()
     def propose(self, seqs: list[ScheduledSeq], shape: TreeShape, prefills: list[ScheduledSeq]) -> list[DraftTree]:
+        self.levels_run = 0
         grows = [_Growing(s, shape) for s in seqs]
         active = [g for g in grows if g.max_depth > 0]
         # Level 1: one forward that catches the draft up on everything, prompts included.
@@ -112,17 +121,18 @@ class ModelDrafter:
         for req, end in ends:
             req.num_draft_computed_tokens = end
         parents = [[-1] for _ in active]
-        stop = shape.kind == "chain" and (shape.stop_below > 0.0 or shape.level_below > 0.0)
+        stop = shape.early_stop if shape.kind == "chain" else None
         for depth in range(1, shape.depth + 1):
             if logits is None or not active:
                 break
+            self.levels_run = depth
             self._expand(active, parents, logits, shape, depth)
-            active = [g for g in active if g.frontier and depth < g.max_depth
-                      and not (stop and g.tree.path_probs[-1] < shape.stop_below)]
-            if not active:
-                break
-            if stop and shape.level_below > 0.0 and sum(
-                    g.tree.path_probs[-1] - shape.stop_below for g in active) < shape.level_below:
+            if stop is not None:
+                for g in active:
+                    if not stop.keep(g.tree.path_probs[-1]):
+                        g.drop_last()
+            active = [g for g in active if g.frontier and depth < g.max_depth]
+            if not active or (stop is not None and not stop.next_level([g.tree.path_probs[-1] for g in active])):
                 break
             inp = ForwardInput()
             parents = []
@@ -147,7 +157,7 @@ class ModelDrafter:
             tensors = SamplingTensors.from_params(params, logits.device)
             q = target_probs(logits, tensors.temperature, tensors.top_k, tensors.top_p,
                              tensors.any_restricted)  # [R, V]
-        if shape.kind == "chain" and q is None and (shape.stop_below > 0.0 or shape.level_below > 0.0):
+        if shape.kind == "chain" and q is None and shape.early_stop is not None:
             # The argmax and its probability, for the early stop, read off one softmax: a fused
             # kernel, where max and logsumexp took 2.4x the time at one sequence on the CPU
             # (26 against 11 us a level over the 4,096-token vocabulary; 276 against 215 us
@@ -203,14 +213,7 @@ class ModelDrafter:
         rows = g.fed
         depths = tree.depths
         index = {node: r for r, node in enumerate(rows)}
-        mask = []
-        for node in rows:
-            visible = [False] * len(rows)
-            k = node
-            while k >= 0:
-                visible[index[k]] = True
-                k = tree.parents[k]
-            mask.append(visible)
+        mask = ancestor_mask([index[tree.parents[k]] if tree.parents[k] >= 0 else -1 for k in rows])
         inp.add(
             [tree.tokens[k] for k in rows],
             [base - 1 + depths[k] for k in rows],
@@ -237,8 +240,6 @@ class ModelDrafter:
             tree = tree.select(order[: g.budget])
         elif shape.kind != "chain":
             tree = tree.select(list(range(tree.num_nodes)))  # BFS order
-        if shape.kind == "chain":   # only chains stop early; a tree's depth is its own
-            tree.room = g.max_depth
         return tree
 
     def forget(self, request: Request) -> None:

@@ -32,6 +32,7 @@ def lookup(token_ids: list[int], ngram_min: int, ngram_max: int, num_tokens: int
 
 class NgramDrafter:
     has_kv = False
+    levels_run = 0   # no forwards: a lookup costs no draft level
 
     def __init__(self, ngram_min: int, ngram_max: int):
         self.ngram_min = ngram_min

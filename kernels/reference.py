@@ -241,32 +241,32 @@ def tree_accept_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tree verification, one sequence at a time; see kernels/tree_accept.py for the maths.
 
-    The residual p is kept unnormalised with its mass m = sum(p): the normalised test
+    Greedy sequences walk host lists (the argmax is all they read). For sampled ones the
+    residual p is kept unnormalised with its mass m = sum(p): the normalised test
     u < p(x) / (m q(x)) is evaluated as u * q(x) * m < p(x), and the bonus is the first
     token whose running sum of p exceeds u * m. The Triton kernel does exactly the same.
     """
     batch, max_nodes = tokens.shape
     max_depth = max_nodes if max_depth is None else max_depth
-    device = tokens.device
-    accepted = torch.full((batch, max_depth), -1, dtype=torch.int32, device=device)
-    num_accepted = torch.zeros(batch, dtype=torch.int32, device=device)
-    bonus = torch.zeros(batch, dtype=torch.int64, device=device)
+    toks, pars, sizes = tokens.tolist(), parents.tolist(), num_nodes.tolist()
+    greedy_rows, argmax = is_greedy.tolist(), target_argmax.tolist()
+    paths: list[list[int]] = []
+    bonus = [0] * batch
+    residuals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # sampled rows: (p, mass) of the bonus
     for b in range(batch):
-        n = int(num_nodes[b])
-        greedy = bool(is_greedy[b])
         cur, row, path = -1, 0, []
         p = mass = None
-        if not greedy:  # greedy rows never read probabilities
-            p = target_probs[b, 0].float().clone()
+        if not greedy_rows[b]:
+            p = target_probs[b, 0].float()
             mass = p.sum()
         # Parents come before children, so one scan in index order visits the children of
         # the current node in order, and the children of an accepted node after it.
-        for c in range(n):
-            if int(parents[b, c]) != cur:
+        for c in range(sizes[b]):
+            if pars[b][c] != cur:
                 continue
-            x = int(tokens[b, c])
-            if greedy:
-                ok = x == int(target_argmax[b, row])
+            x = toks[b][c]
+            if greedy_rows[b]:
+                ok = x == argmax[b][row]
             elif bool(is_sampled[b, c]):
                 q = draft_probs[b, c].float()
                 ok = bool(uniforms[b, c] * q[x] * mass < p[x])
@@ -284,23 +284,30 @@ def tree_accept_reference(
             if ok:
                 path.append(c)
                 cur, row = c, c + 1
-                if not greedy:
-                    p = target_probs[b, row].float().clone()
+                if not greedy_rows[b]:
+                    p = target_probs[b, row].float()
                     mass = p.sum()
-        if greedy:
-            bonus[b] = int(target_argmax[b, row])
+        if greedy_rows[b]:
+            bonus[b] = argmax[b][row]
         else:
-            bonus[b] = _inverse_cdf(p, float(uniforms[b, max_nodes]) * mass)
-        num_accepted[b] = len(path)
-        kept = path[:max_depth]
-        accepted[b, : len(kept)] = torch.tensor(kept, dtype=torch.int32)
-    return accepted, num_accepted, bonus
+            residuals[b] = (p, mass)
+        paths.append(path)
+    if residuals:   # every sampled row's bonus in one inverse-CDF draw
+        rows = list(residuals)
+        p = torch.stack([residuals[b][0] for b in rows])
+        threshold = uniforms[rows, max_nodes].to(p.dtype) * torch.stack([residuals[b][1] for b in rows])
+        for b, tok in zip(rows, _inverse_cdf(p, threshold).tolist()):
+            bonus[b] = tok
+    accepted = torch.tensor([(path + [-1] * max_depth)[:max_depth] for path in paths],
+                            dtype=torch.int32).view(batch, max_depth)
+    num_accepted = torch.tensor([len(path) for path in paths], dtype=torch.int32)
+    return accepted, num_accepted, torch.tensor(bonus, dtype=torch.int64)
 
 
-def _inverse_cdf(p: torch.Tensor, threshold: torch.Tensor | float) -> int:
-    """First index whose running sum of p exceeds threshold; the last index with p > 0 if
-    rounding leaves none (threshold = u * sum(p) with u just below 1)."""
-    above = (torch.cumsum(p, 0) > threshold).nonzero()
-    if above.numel() > 0:
-        return int(above[0, 0])
-    return int((p > 0).nonzero()[-1, 0])
+def _inverse_cdf(p: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Per row of p [R, V]: the first index whose running sum exceeds threshold [R], or the last
+    index with p > 0 where rounding leaves none (threshold = u * sum(p) with u just below 1)."""
+    cdf = torch.cumsum(p, dim=-1)
+    first = torch.searchsorted(cdf, threshold[:, None].contiguous(), right=True).squeeze(1)
+    last = p.shape[1] - 1 - (p.flip(-1) > 0).int().argmax(dim=-1)
+    return torch.where(first < p.shape[1], first, last)

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -31,7 +32,7 @@ from aiohttp import web
 
 from specserve.config import EngineConfig
 from specserve.engine import AsyncEngine, EngineDeadError, LLMEngine, QueueFullError, RequestOutput
-from specserve.errors import InvalidRequestError
+from specserve.errors import InvalidRequestError, SpecserveError
 from specserve.metrics import ServerMetrics
 from specserve.sampling import SamplingParams
 
@@ -488,19 +489,6 @@ async def handle_set_speculation(request: web.Request) -> web.Response:
     return web.Response(body=_json.encode(setting), content_type="application/json")
 
 
-async def handle_reset_prefix_cache(request: web.Request) -> web.Response:
-    """POST /admin/reset_prefix_cache: the prefix cache's blocks no running request holds are
-    dropped, so the next prompts are prefilled whole (a benchmark's cells on equal footing:
-    `benchmarks/sweep.py --cold-prompts`). 200 with {"dropped_blocks": n}."""
-    state = request.app[STATE]
-    _check_serving(state)
-    try:
-        dropped = await state.async_engine.reset_prefix_cache()
-    except EngineDeadError as e:
-        raise ApiError(503, str(e), type="service_unavailable") from None
-    return web.Response(body=_json.encode({"dropped_blocks": dropped}), content_type="application/json")
-
-
 @web.middleware
 async def _errors(request: web.Request, handler):
     """Errors as JSON, never a stack trace: aiohttp's own 404/405 included."""
@@ -553,7 +541,6 @@ def create_app(engine: LLMEngine, cfg: EngineConfig) -> web.Application:
     if cfg.server.admin_api:
         app.router.add_get("/admin/speculation", handle_get_speculation)
         app.router.add_post("/admin/speculation", handle_set_speculation)
-        app.router.add_post("/admin/reset_prefix_cache", handle_reset_prefix_cache)
     return app
 
 
@@ -575,14 +562,30 @@ def make_runner(app: web.Application, shutdown_timeout_s: float = 1.0) -> web.Ap
     return web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout_s, access_log=None)
 
 
-async def _serve(engine: LLMEngine, cfg: EngineConfig) -> None:
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, taken before the models load: a port in use is a one-line error
+    at once, not a traceback after loading."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError as e:
+        raise SpecserveError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.setblocking(False)
+    return sock
+
+
+async def _serve(engine: LLMEngine, cfg: EngineConfig, sock: socket.socket) -> None:
     app = create_app(engine, cfg)
     runner = make_runner(app)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
+    site = web.SockSite(runner, sock)
     await site.start()
-    for addr in runner.addresses:
-        logger.info("serving '%s' on http://%s:%d (OpenAI API at /v1)", model_name(cfg), addr[0], addr[1])
+    host, port = sock.getsockname()[:2]
+    logger.info("serving '%s' on http://%s:%d (OpenAI API at /v1)", model_name(cfg), host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -598,11 +601,10 @@ async def _serve(engine: LLMEngine, cfg: EngineConfig) -> None:
 
 
 def serve(cfg: EngineConfig) -> None:
-    """`specserve serve`: build the engine, log what it serves, run until SIGTERM/SIGINT."""
+    """`specserve serve`: take the port, build the engine, run until SIGTERM/SIGINT."""
+    sock = bind(cfg.server.host, cfg.server.port)
     engine = LLMEngine(cfg)
     logger.info("target: %s", cfg.target.path)
     logger.info("draft: %s%s", cfg.draft.kind, f" {cfg.draft.path}" if cfg.draft.kind == "model" else "")
-    logger.info("pool: %d blocks x %d tokens = %d tokens, %d bytes", engine.pool.num_blocks, engine.pool.block_size,
-                engine.pool.num_blocks * engine.pool.block_size, engine.pool_bytes)
     logger.info("max_model_len: %d, pid %d", engine.max_model_len, os.getpid())
-    asyncio.run(_serve(engine, cfg))
+    asyncio.run(_serve(engine, cfg, sock))

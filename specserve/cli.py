@@ -23,7 +23,6 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int)
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--cpu-threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--step-log", metavar="PATH", help="append a JSON line per engine step to PATH (specserve/steplog.py)")
 
 
 def _engine_config(args):
@@ -34,7 +33,7 @@ def _engine_config(args):
         "target": args.target, "draft": args.draft, "draft_kind": args.draft_kind, "device": args.device,
         "dtype": args.dtype, "spec_mode": args.spec_mode, "spec_depth": args.spec_depth,
         "spec_tree": args.spec_tree, "num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
-        "cpu_threads": args.cpu_threads, "step_log": args.step_log,
+        "cpu_threads": args.cpu_threads,
     }
     if args.target and not args.draft and not args.draft_kind and not args.config:
         overrides["draft_kind"] = "none"
@@ -67,14 +66,29 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from specserve import config as config_mod
     from specserve.server.app import serve
 
     cfg = _engine_config(args)
-    overrides = {"host": args.host, "port": args.port, "admin_api": True if args.admin_api else None}
-    from specserve import config as config_mod
-
-    cfg = config_mod.with_overrides(cfg, **overrides)
+    cfg = config_mod.with_overrides(cfg, host=args.host, port=args.port, admin_api=True if args.admin_api else None)
     serve(cfg)
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from specserve.engine import LLMEngine
+
+    cfg = _engine_config(args)
+    cfg.spec.mode = "static"   # the engine's own start-up probe is not wanted: this one is thorough
+    engine = LLMEngine(cfg)
+    spec = engine.spec
+    if spec.drafter is None:
+        print("specserve: nothing to calibrate: this setup has no draft ([draft] kind = 'none')", file=sys.stderr)
+        return 2
+    from specserve import profile
+
+    path = profile.calibrate(engine, spec.buckets(), spec.nodes_at(spec.max_depth()) + 1)
+    print(f"profile written to {path}; `specserve serve` with this setup starts from it")
     return 0
 
 
@@ -90,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="serve GET/POST /admin/speculation, to switch between adaptive and a static depth "
                         "while running (sets [server] admin_api)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("calibrate", help="measure the step costs of a setup once, for faster starts")
+    _add_engine_args(p)
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("generate", help="generate offline and print the text")
     _add_engine_args(p)

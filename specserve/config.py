@@ -53,28 +53,13 @@ class DraftConfig(_Section):
 class SpecConfig(_Section):
     """[spec]: how deep and wide to speculate."""
 
-    mode: Literal["adaptive", "static"] = "adaptive"
+    mode: Literal["adaptive", "static"] = "adaptive"   # adaptive: the controller plans every step
     depth: NonNegInt = 4  # static depth; 0 = plain decode
-    max_depth: Annotated[int, Meta(ge=0, le=16)] = 8  # adaptive searches 0..max_depth
+    max_depth: Annotated[int, Meta(ge=0, le=16)] = 8  # adaptive plans 0..max_depth
     tree: Literal["chain", "fixed", "dynamic"] = "chain"
     branching: list[PositiveInt] = []  # fixed trees: children per depth, e.g. [4, 2, 2, 1]
     num_nodes: PositiveInt = 16  # dynamic trees: node budget (root excluded)
     topk: PositiveInt = 4  # dynamic trees: children expanded per frontier node
-    # Chains: a sequence's draft stops growing this step once the draft's probability of its
-    # path falls below a threshold (the draft is unsure; deeper nodes would mostly be rejected).
-    # "auto": the adaptive controller sets the threshold each step from its cost model, as
-    # goodput x the time one more node costs, and stops the batch's next draft level when the
-    # growing chains' probabilities do not pay for it; it does so in batches of up to two
-    # sequences, with max_depth as the cap, where on the dev CPU it measured 1.02-1.03x off
-    # (benchmarks/RESULTS.md, thirty-seventh session; static mode: off). A number: that
-    # threshold for each chain, in every batch (a static depth becomes the cap); "off": every
-    # chain is drafted to the plan's depth.
-    early_stop: Literal["auto", "off"] | Annotated[float, Meta(ge=0.0, le=1.0)] = "auto"
-    # The step that completes a prompt also verifies a draft after it, so a request's first
-    # step can emit more than one token (otherwise its prompt's step yields one). Off by
-    # default: on the dev CPU the rows and draft levels it adds to a prompt's step cost about
-    # what it saves (offline 0.96-1.02x; benchmarks/RESULTS.md, thirty-first session).
-    speculate_prompts: bool = False
 
 
 class CacheConfig(_Section):
@@ -103,10 +88,21 @@ class ServerConfig(_Section):
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
     served_model_name: str | None = None  # default: the target directory's name
     shutdown_timeout_s: Annotated[float, Meta(ge=0.0)] = 30.0
-    # GET/POST /admin/speculation: read or switch the speculation setting (adaptive, or a
-    # static depth) of the running server, e.g. to compare settings inside one process. Off
-    # by default: it changes how every client is served, so an operator turns it on.
+    # GET/POST /admin/speculation: read or switch the speculation setting of the running
+    # server. Off by default: it changes how every client is served.
     admin_api: bool = False
+
+
+class CpuConfig(_Section):
+    """[cpu]: how forwards use the CPU (ignored on other devices)."""
+
+    threads: PositiveInt | None = None  # torch intra-op threads; default: torch's (the cores)
+    # Linear layers of float32 models: "onednn" packs each weight once for oneDNN, which streams
+    # weights from memory faster than torch's default path but costs more per call; "auto" packs
+    # the models (or, in a small model, the layers) too big for the CPU's caches; "torch": F.linear.
+    linear: Literal["auto", "onednn", "torch"] = "auto"
+    # glibc: keep allocations up to 32 MiB on a heap that is not handed back (cpu_malloc.py).
+    heap_malloc: bool = True
 
 
 class EngineConfig(_Section):
@@ -116,33 +112,12 @@ class EngineConfig(_Section):
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    cpu: CpuConfig = msgspec.field(default_factory=CpuConfig)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    cpu_threads: PositiveInt | None = None  # torch intra-op threads; default: torch's (the cores)
-    # On the CPU, forwards of fewer rows than this run on one thread: a decode row or a draft
-    # level is memory-bound and the BLAS does not split so few rows, so extra threads only add
-    # their synchronisation; a verified chain or a batch has the rows to share.
-    cpu_parallel_min_rows: PositiveInt = 5
-    # How linear layers run on the CPU (float32): "onednn" packs each weight once at start-up
-    # for oneDNN, which streams weights from memory much faster than torch's default MKL
-    # path but costs more per call; "torch" is plain F.linear; "auto" packs every layer of a
-    # model whose linear weights are at least `cpu_onednn_min_mib` (too big to stay in the
-    # CPU's caches) and, in smaller models, the layers of 1 MiB or more (a draft's LM head).
-    # Other devices and dtypes always use F.linear.
-    cpu_linear: Literal["auto", "onednn", "torch"] = "auto"
-    cpu_onednn_min_mib: Annotated[float, Meta(ge=0.0)] = 8.0
-    # On the CPU (glibc), allocations up to 32 MiB come from a heap that is kept, not from a
-    # fresh mmap each (a page fault per 4 KiB every forward): specserve/cpu_malloc.py. It is
-    # set for the whole process; false leaves the allocator as it is.
-    cpu_heap_malloc: bool = True
-    # Decode steps, chain verify passes, draft levels and catch-ups replayed from CUDA graphs,
-    # each padded to a captured batch size (specserve/graphs.py; all captured at start-up): the
-    # launches of a forward cost the host more than the GPU's work at small batches (on the
-    # H100 plain decoding of the embedded pair ran 15x faster at batch 1). Off until run with
-    # a large pair and with speculation; on the CPU the same padded path runs eagerly (for tests).
+    # Decode steps, chain verify passes and draft levels replayed from CUDA graphs, padded to a
+    # captured batch size (graphs.py); on the CPU the same padded path runs eagerly.
     cuda_graphs: bool = False
     seed: int = 0
-    # A JSON-lines record of every engine step (plan, batch, timings, tokens): specserve/steplog.py.
-    step_log: str | None = None
 
 
 def resolve_path(path: str, base_dir: Path | None = None) -> Path:
@@ -262,11 +237,11 @@ _SHORT_NAMES = {
     "spec_mode": ("spec", "mode"),
     "spec_depth": ("spec", "depth"),
     "spec_tree": ("spec", "tree"),
+    "cpu_threads": ("cpu", "threads"),
 }
 
 
-_TOP_LEVEL = ("device", "seed", "cpu_threads", "cpu_parallel_min_rows", "cpu_linear", "cpu_onednn_min_mib",
-              "cpu_heap_malloc", "cuda_graphs", "step_log")
+_TOP_LEVEL = ("device", "seed", "cuda_graphs")
 
 
 def with_overrides(cfg: EngineConfig, **overrides: Any) -> EngineConfig:
@@ -274,7 +249,7 @@ def with_overrides(cfg: EngineConfig, **overrides: Any) -> EngineConfig:
     unique across sections (`block_size`, `max_num_seqs`, ...), or `section__field`."""
     data = msgspec.to_builtins(cfg)
     fields_by_name: dict[str, list[str]] = {}
-    for section in ("target", "draft", "spec", "cache", "scheduler", "server"):
+    for section in ("target", "draft", "spec", "cache", "scheduler", "server", "cpu"):
         for f in msgspec.structs.fields(getattr(cfg, section)):
             fields_by_name.setdefault(f.name, []).append(section)
     for name, value in overrides.items():

@@ -23,10 +23,9 @@ from specserve.kv_pool import KVPool, blocks_needed
 from specserve.model.loader import load_eos_token_ids, load_model, load_tokenizer
 from specserve.request import Request, RequestStats
 from specserve.runner import CpuThreads, ForwardInput, ModelRunner, slots_for
-from specserve.sampling import SamplingParams, SamplingTensors, make_generator, mask_tokens, sample
+from specserve.sampling import SamplingParams, make_generator
 from specserve.scheduler import Scheduler, SchedulerOutput
-from specserve.spec import Plan, make_speculator
-from specserve.steplog import StepLog
+from specserve.spec import make_speculator
 
 logger = logging.getLogger("specserve")
 
@@ -58,17 +57,19 @@ def _dtype(name: str):
     return "auto" if name == "auto" else _DTYPES[name]
 
 
-# With cpu_linear = "auto", layers this big are packed for oneDNN even in a model below
-# cpu_onednn_min_mib (a small draft's LM head: it streams from beyond the L2 cache every level).
+# With [cpu] linear = "auto": a model with this much linear weight is packed for oneDNN whole
+# (it streams from memory every step); a smaller one only its layers of _ONEDNN_MIN_LAYER_BYTES
+# or more (a small draft's LM head, which streams from beyond the L2 cache every level).
+_ONEDNN_MIN_MODEL_BYTES = 8 * 2**20
 _ONEDNN_MIN_LAYER_BYTES = 2**20
 
 
 def _onednn_min_layer_bytes(config: config_mod.EngineConfig, model) -> int | None:
     """Which of `model`'s linear layers to pack for oneDNN: those of at least this many bytes
     (None: none)."""
-    if config.cpu_linear == "torch":
+    if config.cpu.linear == "torch":
         return None
-    if config.cpu_linear == "onednn" or model.linear_weight_bytes() >= config.cpu_onednn_min_mib * 2**20:
+    if config.cpu.linear == "onednn" or model.linear_weight_bytes() >= _ONEDNN_MIN_MODEL_BYTES:
         return 0
     return _ONEDNN_MIN_LAYER_BYTES
 
@@ -77,16 +78,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True):
         self.config = config
         self.device = _resolve_device(config.device)
-        # Opened first: a path that cannot be written fails before minutes of loading.
-        self.step_log = StepLog(config.step_log) if config.step_log else None
-        if self.device.type == "cpu" and config.cpu_heap_malloc:
-            # Before anything big is allocated: see cpu_malloc.py (a fresh process's forwards
-            # were up to 5x slower until its allocation history raised glibc's thresholds).
-            keep_large_allocations_on_heap()
-        if config.cpu_threads:
-            # A serving box that also runs its own client (or other work) is better off with
-            # fewer intra-op threads than cores: a parallel region waits for its slowest thread.
-            torch.set_num_threads(config.cpu_threads)
+        if self.device.type == "cpu" and config.cpu.heap_malloc:
+            keep_large_allocations_on_heap()   # before anything big is allocated: cpu_malloc.py
+        if config.cpu.threads:
+            torch.set_num_threads(config.cpu.threads)
         torch.manual_seed(config.seed)
         target, self.target_args = load_model(
             config.target.path, dtype=_dtype(config.target.dtype), device=self.device, progress=progress
@@ -126,18 +121,15 @@ class LLMEngine:
             min_bytes = None if model is None else _onednn_min_layer_bytes(config, model)
             if min_bytes is not None and (packed := model.pack_for_onednn(min_bytes)):
                 logger.info("%s: %d linear layers run through oneDNN with packed weights", name, packed)
-        threads = CpuThreads(torch.get_num_threads(), config.cpu_parallel_min_rows)
+        threads = CpuThreads(torch.get_num_threads())
         self.target = ModelRunner(target, self.target_args, num_blocks, block_size, self.device, threads)
         self.draft = (ModelRunner(draft_model, draft_args, num_blocks, block_size, self.device, threads)
                       if draft_model else None)
         if config.cuda_graphs:
             self._use_graphs(config, block_size)
         self.pool_bytes = num_blocks * bytes_per_block
-        self.scheduler = Scheduler(config.scheduler, self.pool, self.max_model_len, has_draft_kv=self.draft is not None,
-                                   speculate_prompts=config.spec.speculate_prompts)
-
+        self.scheduler = Scheduler(config.scheduler, self.pool, self.max_model_len, has_draft_kv=self.draft is not None)
         self.spec = make_speculator(config, self)
-        self.spec.calibrate(config.scheduler.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._aborted: list[Request] = []
@@ -148,15 +140,14 @@ class LLMEngine:
         )
 
     def _use_graphs(self, config: EngineConfig, block_size: int) -> None:
-        """cuda_graphs: both runners serve their uniform forwards from graphs (specserve/graphs.py),
-        captured here on CUDA, before the calibration times them: decode steps and chain verify
-        passes (1 to max_depth + 1 rows a sequence) of the target, and draft levels (one row)
-        and catch-ups (two rows)."""
-        max_rows = max(config.spec.max_depth, 1) + 1   # a chain verify pass: depth + 1 rows
+        """cuda_graphs: both runners serve their uniform forwards from graphs (graphs.py), captured
+        here on CUDA: decode steps and chain verify passes (1 to max_depth + 1 rows a sequence)
+        of the target, and draft levels (one row) and catch-ups (two rows)."""
+        max_rows = max(config.spec.max_depth, 1) + 1
         max_blocks = -(-(self.max_model_len + max_rows) // block_size)
         if self.device.type != "cuda":
-            logger.warning("cuda_graphs = true on %s: nothing to capture; the padded forwards run eagerly "
-                           "(what the tests check), slower than without", self.device.type)
+            logger.warning("cuda_graphs = true on %s: nothing to capture; the padded forwards run eagerly",
+                           self.device.type)
         pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         started = time.perf_counter()
         captured = 0
@@ -269,14 +260,6 @@ class LLMEngine:
         logger.info("speculation set to %s", setting)
         return setting
 
-    def reset_prefix_cache(self) -> int:
-        """Drop the prefix cache's blocks no running request holds (they become free blocks;
-        running requests keep theirs): the next prompts are prefilled whole. Returns how many
-        blocks were dropped."""
-        dropped = self.pool.reset_prefix_cache()
-        logger.info("prefix cache reset: %d blocks dropped", dropped)
-        return dropped
-
     # -- one step ------------------------------------------------------------------------
 
     def idle(self) -> None:
@@ -286,113 +269,16 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
-        plan = self.spec.plan(self.scheduler)
-        batch = self.scheduler.schedule(plan.num_nodes)
-        # Before the step moves the sequences on: which of them run a prompt chunk, and the
-        # contexts of the others.
-        prefills, contexts = [], []
-        if self.step_log is not None:
-            for s in batch.seqs:
-                if s.num_new_tokens > 1 or not s.is_decode:
-                    prefills.append(s.num_new_tokens)
-                else:
-                    contexts.append(s.request.num_computed_tokens)
-        new_tokens = self.spec.run(batch, plan) if plan.num_nodes else self._decode(batch)
+        plan = self.spec.plan(self.scheduler.running)
+        batch = self.scheduler.schedule(plan.nodes)
+        new_tokens = self.spec.step(batch, plan)
         outputs = self._postprocess(batch, new_tokens)
-        # A step costs the process from the end of the one before (unless the engine idled
-        # since): the caller's handling of its outputs is part of it, and in the server so is
-        # the event loop's turn at the interpreter and the core, an SSE event per request per
-        # step whatever the plan. Timed from this step's start only, that cost is invisible to
-        # the controller, and at high load it is what makes plain decoding dear: the dev CPU
-        # at 64 requests, server on one core, ran plain decode 17% below static depth 3 over
-        # HTTP while the engine's own step times had plain ahead.
+        # A step costs the process from the end of the one before (unless it idled since): the
+        # caller's handling of the outputs, in a server its SSE events, is part of every step.
         end = time.perf_counter()
-        since = start if self._last_step_end is None else self._last_step_end
+        self.spec.end_step(end - (start if self._last_step_end is None else self._last_step_end))
         self._last_step_end = end
-        self.spec.end_step(end - since)
-        if self.step_log is not None and not batch.is_empty:
-            self._log_step(plan, prefills, contexts, new_tokens, end - since)
         return outputs
-
-    def _log_step(self, plan: Plan, prefills: list[int], contexts: list[int], new_tokens: dict[str, list[int]],
-                  step_s: float) -> None:
-        """One line of the step log (see steplog.py). prefills: the new tokens of each sequence
-        that ran a prompt chunk; contexts: the cached tokens of each sequence that decoded."""
-        draft_s, verify_s = self.spec.last_timing
-        record = {
-            "t": round(time.time(), 4), "depth": plan.depth, "nodes": plan.num_nodes,
-            "decode": len(contexts), "prefill_seqs": len(prefills), "prefill_tokens": sum(prefills),
-            "context": sum(contexts), "context_max": max(contexts, default=0),
-            "emitted": sum(len(t) for t in new_tokens.values()),
-            "draft_s": round(draft_s, 6), "verify_s": round(verify_s, 6), "step_s": round(step_s, 6),
-        }
-        if plan.num_nodes:
-            record["drafted"] = self.spec.last_drafted
-        controller = self.spec.controller
-        if controller is not None:
-            record["predicted"] = round(controller.goodput_estimate, 2)
-            if plan.stop_below:
-                record["stop"] = round(plan.stop_below, 3)
-            if plan.level_below:
-                record["level_stop"] = round(plan.level_below, 3)
-            curve = controller.fresh_curve()
-            if curve is not None:
-                record["curve"] = [None if g is None else round(g, 2) for g in curve]
-                record["bias"] = [round(f, 3) for f in controller.fresh_bias()]
-                record["tokens"] = [None if e is None else round(e, 3) for e in controller.fresh_tokens()]
-                drafts, verifies, rest = controller.fresh_costs()
-                record["draft_pred"] = [None if x is None else round(1e3 * x, 3) for x in drafts]
-                record["verify_pred"] = [None if x is None else round(1e3 * x, 3) for x in verifies]
-                record["rest_pred"] = round(1e3 * rest, 3)
-        self.step_log.write(record)
-
-    def _decode(self, batch: SchedulerOutput) -> dict[str, list[int]]:
-        """Plain step: one target forward over every scheduled row; a token for each sequence
-        whose rows reach its end. Draft KV is kept in step for prefills (see spec.py)."""
-        if batch.is_empty:
-            return {}
-        inp = ForwardInput()
-        decoding = []
-        for s in batch.seqs:
-            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            inp.add(
-                req.token_ids[start : start + n],
-                list(range(start, start + n)),
-                slots_for(req.block_table, self.pool.block_size, start, n),
-                req.block_table,
-                start + n,
-                logit_rows=[n - 1] if s.is_decode else [],
-            )
-            if s.is_decode:
-                decoding.append(req)
-        self.spec.prefill_draft(batch)
-        start = time.perf_counter()
-        logits = self.target.forward(inp)
-        tokens = [] if logits is None else self.sample(logits, decoding)   # None: no row ends a sequence
-        self.spec.observe(batch, Plan(), 0.0, time.perf_counter() - start, [], [],
-                          context_tokens=sum(s.request.num_computed_tokens for s in batch.seqs))
-        return {req.request_id: [t] for req, t in zip(decoding, tokens)}
-
-    def mask_min_tokens(self, logits: torch.Tensor, rows: list[tuple[int, Request, int]]) -> None:
-        """rows: (logits row, request, how many tokens that row comes after the request's last
-        one). Where the request still has fewer than min_tokens outputs, its stop ids are masked."""
-        masked, banned = [], []
-        for row, req, ahead in rows:
-            params = req.params
-            if params.min_tokens and req.num_output_tokens + ahead < params.min_tokens:
-                stop_ids = req.stop_token_ids if params.ignore_eos else req.stop_token_ids | req.eos_token_ids
-                masked.append(row)
-                banned.append(sorted(stop_ids))
-        mask_tokens(logits, masked, banned)
-
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        self.mask_min_tokens(logits, [(i, r, 0) for i, r in enumerate(requests)])
-        tensors = SamplingTensors.from_params([r.params for r in requests], logits.device)
-        if tensors.all_greedy:
-            return logits.argmax(dim=-1).tolist()  # the step's one device -> host sync
-        tokens = sample(logits, tensors.temperature, tensors.top_k, tensors.top_p, [r.generator for r in requests],
-                        tensors.any_restricted)
-        return tokens.tolist()  # the step's one device -> host sync
 
     def _postprocess(self, batch: SchedulerOutput, new_tokens: dict[str, list[int]]) -> list[RequestOutput]:
         outputs = [self._output(req) for req in self._aborted]
@@ -565,15 +451,6 @@ class AsyncEngine:
             raise result
         return result
 
-    async def reset_prefix_cache(self) -> int:
-        """LLMEngine.reset_prefix_cache on the engine thread, between two steps."""
-        if not self.is_alive:
-            raise EngineDeadError(f"the engine is not running: {self.error!r}")
-        done = self._loop.create_future()
-        self._commands.put(("reset_prefix_cache", None, done, None))
-        self._wake.set()
-        return await self._answer(done)
-
     async def _answer(self, future: asyncio.Future):
         """The engine thread's answer to a command. Polling: an engine that stops before
         draining the command must not hang the caller."""
@@ -605,8 +482,6 @@ class AsyncEngine:
                 except Exception as e:   # a bad setting is the caller's error, never the engine's
                     result = e
                 self._loop.call_soon_threadsafe(_resolve, done, result)
-            elif kind == "reset_prefix_cache":
-                self._loop.call_soon_threadsafe(_resolve, done, self.engine.reset_prefix_cache())
 
     def _run(self) -> None:
         try:

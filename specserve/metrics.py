@@ -61,96 +61,49 @@ class _EngineCollector:
         g.add_metric([], totals.last_depth)
         yield g
         g = GaugeMetricFamily("specserve_spec_adaptive", "1 while the adaptive controller plans the steps, 0 while "
-                              "a static depth does (set at start-up or by POST /admin/speculation).")
-        g.add_metric([], int(getattr(engine.spec, "controller", None) is not None))
+                              "a static depth does.")
+        g.add_metric([], int(engine.spec.controller is not None))
         yield g
-        # The controller built at start-up, also while a static setting has it detached: its
-        # figures stay what it last knew, and the series do not vanish with a switch.
-        controller = getattr(engine.spec, "adaptive", None)
-        if controller is not None:
-            yield from _controller_metrics(controller.snapshot())
+        if engine.spec.controller is not None:
+            yield from _controller_metrics(engine.spec.controller.snapshot())
 
 
 def _controller_metrics(snap: dict):
     """The adaptive controller's decisions and what it based them on (DESIGN.md §6)."""
     c = CounterMetricFamily("specserve_controller_steps", "Engine steps planned at each depth (the depth histogram).",
                             labels=["depth"])
-    for depth, count in snap["depth_histogram"].items():
+    for depth, count in sorted(snap["depth_histogram"].items()):
         c.add_metric([str(depth)], count)
     yield c
     g = GaugeMetricFamily("specserve_controller_acceptance_estimate",
                           "Estimated probability that the draft's token at `position` is accepted, given the ones "
-                          "before it were.", labels=["position"])
+                          "before it were (greedy requests).", labels=["position"])
     for pos, a in enumerate(snap["acceptance_per_position"]):
         g.add_metric([str(pos + 1)], a)
     yield g
-    g = GaugeMetricFamily("specserve_controller_kind_acceptance_estimate",
-                          "The same for greedy and for sampled requests apart (present once both kinds have "
-                          "been served: each request's estimate starts from its kind's).", labels=["kind", "position"])
-    for kind, accs in (snap.get("kind_acceptance") or {}).items():
-        for pos, a in enumerate(accs):
-            g.add_metric([kind, str(pos + 1)], a)
+    g = GaugeMetricFamily("specserve_controller_goodput_estimate", "Predicted tokens per second of the last plan.")
+    g.add_metric([], snap["goodput_estimate"])
     yield g
-    g = GaugeMetricFamily("specserve_controller_reach_estimate",
-                          "Estimated share of chains drafted as far as `position` (below 1 where the early "
-                          "stop ends chains on the draft's doubt).", labels=["position"])
-    for pos, r in enumerate(snap.get("reach_per_position", [])):
-        g.add_metric([str(pos + 1)], r)
-    yield g
-    for name, key, doc in (
-        ("specserve_controller_goodput_estimate", "goodput_estimate",
-         "Predicted committed tokens per second of the plan in use."),
-        ("specserve_controller_measured_goodput", "measured_goodput",
-         "Committed tokens per second of recent steps (moving average)."),
-        ("specserve_controller_expected_tokens_per_pass", "expected_tokens_per_pass",
-         "Predicted tokens per sequence per target pass of the plan in use."),
-        ("specserve_controller_num_nodes", "num_nodes", "Tree nodes per sequence of the plan in use."),
-        ("specserve_controller_stop_threshold", "stop_below",
-         "Draft path probability below which a chain stops growing (early stop; 0 = none) in the plan in use."),
-        ("specserve_controller_level_threshold", "level_below",
-         "Sum of the growing chains' path probabilities (each less the stop threshold) below which the "
-         "draft's next level is not run (early stop; 0 = none) in the plan in use."),
-    ):
-        g = GaugeMetricFamily(name, doc)
-        g.add_metric([], snap[key])
+    if snap["calibration"] is not None:
+        g = GaugeMetricFamily("specserve_controller_draft_calibration",
+                              "Accepted draft tokens over the draft's summed path probabilities (1: calibrated).")
+        g.add_metric([], snap["calibration"])
         yield g
-    for name, key, doc in (
-        ("specserve_controller_plan_changes", "num_plan_changes", "Times the controller switched plans."),
-        ("specserve_controller_probes", "num_probes", "Steps run one level deeper to re-measure acceptance."),
-        ("specserve_controller_guard_trips", "num_guard_trips",
-         "Times measured goodput put a batch-size bucket back on plain decoding."),
-    ):
-        c = CounterMetricFamily(name, doc)
-        c.add_metric([], snap[key])
-        yield c
-    g = GaugeMetricFamily("specserve_controller_bias_factor",
-                          "What the controller's decision multiplies a depth's predicted goodput by: that "
-                          "depth's measured over predicted goodput on its recent steps, shrunk toward 1, or toward "
-                          "what the speculative depths share where that is above 1 (a depth without figures: that). "
-                          "Per batch-size bucket.", labels=["batch_size", "depth"])
-    for bucket, factors in snap.get("bias_factors", {}).items():
-        for depth, f in enumerate(factors):
-            g.add_metric([str(bucket), str(depth)], f)
-    yield g
-    costs = snap["costs"]
-    for name, key, doc in (
-        ("specserve_controller_draft_step_seconds", "draft_s_per_step", "Measured time of one draft step."),
-        ("specserve_controller_step_overhead_seconds", "step_overhead_s",
-         "Measured time of an engine step outside the draft and the target's pass."),
-        ("specserve_controller_verify_level", "verify_level",
-         "Verify costs now relative to when first measured (1 = unchanged)."),
-    ):
-        g = GaugeMetricFamily(name, doc + " Per batch-size bucket.", labels=["batch_size"])
-        for bucket, value in costs.get(key, {}).items():
-            g.add_metric([str(bucket)], value)
-        yield g
+    curve = snap["curve"]
     g = GaugeMetricFamily("specserve_controller_verify_seconds",
-                          "Measured time of the target's pass per batch-size bucket and token count.",
-                          labels=["batch_size", "num_tokens"])
-    for bucket, row in costs.get("verify_s", {}).items():
-        for _, (num_tokens, seconds) in row.items():
-            g.add_metric([str(bucket), str(round(num_tokens))], seconds)
+                          "The capacity curve the controller believes: a verify pass by batch size and rows a "
+                          "sequence.", labels=["batch_size", "rows"])
+    for bucket, row in zip(curve["buckets"], curve["verify_s"]):
+        for r, seconds in enumerate(row, 1):
+            g.add_metric([str(bucket), str(r)], seconds)
     yield g
+    for name, key, doc in (("specserve_controller_draft_level_seconds", "level_s", "One draft level"),
+                           ("specserve_controller_step_rest_seconds", "rest_s",
+                            "A step's time outside the draft and the target's pass")):
+        g = GaugeMetricFamily(name, doc + ", by batch size.", labels=["batch_size"])
+        for bucket, seconds in zip(curve["buckets"], curve[key]):
+            g.add_metric([str(bucket)], seconds)
+        yield g
 
 
 class ServerMetrics:

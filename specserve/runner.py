@@ -63,13 +63,12 @@ def slots_for(block_table: list[int], block_size: int, start: int, count: int) -
 
 
 class CpuThreads:
-    """Intra-op threads per forward on the CPU: all of them for forwards of at least
-    `min_rows` rows, one below that. On the 2-core dev CPU (MKL sgemm, the embedded 10 x 256
-    target, weights streamed from memory) two threads leave 1-4 rows as slow as one thread,
-    while 5-8 rows (a verified chain) take 0.64-0.78x the one-thread time; so a decode step
-    or a draft level stays on one thread and the verify pass gets both cores."""
+    """Intra-op threads per forward on the CPU: all of them for forwards of at least `min_rows`
+    rows, one below that. A decode row or a draft level streams weights from memory and the
+    BLAS does not split so few rows, so more threads only add their synchronisation; a verified
+    chain has the rows to share (benchmarks/RESULTS.md)."""
 
-    def __init__(self, max_threads: int, min_rows: int):
+    def __init__(self, max_threads: int, min_rows: int = 5):
         self.max_threads, self.min_rows = max_threads, min_rows
 
     def enter(self, num_rows: int) -> int:

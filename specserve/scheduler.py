@@ -2,10 +2,8 @@
 
 Requests join and leave between steps. Every step has a token budget
 (`max_num_batched_tokens`): running requests go first (oldest first), each taking its
-pending token plus, when speculating, the tree nodes after it; prompts are prefilled in
-chunks with what is left. With `speculate_prompts`, the chunk that completes a prompt also
-takes the tree nodes after the prompt's last token, so a request's first step can emit
-more than one token. When the pool runs out of blocks the scheduler first drops a
+pending token plus, when speculating, the tree nodes the plan gives it; prompts are
+prefilled in chunks with what is left. When the pool runs out of blocks the scheduler first drops a
 request's speculation, then preempts the youngest running request by recompute (its blocks
 are freed; it re-enters the front of the queue and is prefilled again, prefix cache first).
 """
@@ -14,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from specserve.config import SchedulerConfig
@@ -33,6 +32,11 @@ class ScheduledSeq:
         req = self.request
         return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
 
+    @property
+    def is_prefill(self) -> bool:
+        """A prompt chunk (or a preempted request's recompute), not one pending token."""
+        return self.num_new_tokens > 1 or not self.is_decode
+
 
 @dataclass
 class SchedulerOutput:
@@ -49,10 +53,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: KVPool, max_model_len: int, has_draft_kv: bool,
-                 speculate_prompts: bool = False):
+    def __init__(self, config: SchedulerConfig, pool: KVPool, max_model_len: int, has_draft_kv: bool):
         self.config = config
-        self.speculate_prompts = speculate_prompts
         self.pool = pool
         self.max_model_len = max_model_len
         self.has_draft_kv = has_draft_kv
@@ -84,9 +86,10 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------
 
-    def schedule(self, num_spec_nodes: int = 0) -> SchedulerOutput:
-        """Plan one step. `num_spec_nodes`: tree nodes to reserve after each decoding request's
-        pending token (from the controller's plan; 0 = plain decode)."""
+    def schedule(self, spec_nodes: Mapping[str, int] | None = None) -> SchedulerOutput:
+        """Plan one step. `spec_nodes`: request id -> tree nodes to reserve after that request's
+        pending token (the plan's; absent = plain decode)."""
+        spec_nodes = spec_nodes or {}
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
@@ -95,8 +98,8 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             decoding = req.num_computed_tokens + num_new == req.num_tokens
-            spec = (self._spec_nodes(req, num_spec_nodes, budget - num_new) if decoding and num_new == 1
-                    else self._prompt_nodes(req, num_spec_nodes, budget - num_new) if decoding else 0)
+            spec = self._spec_nodes(req, spec_nodes.get(req.request_id, 0), budget - num_new) \
+                if decoding and num_new == 1 else 0
             while not self._reserve(req, req.num_computed_tokens + num_new + spec):
                 if spec:
                     spec = 0  # speculation goes before anybody is preempted
@@ -128,12 +131,7 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill and num_new <= self.config.max_num_batched_tokens:
                     break
                 num_new = budget
-            # The chunk that completes the prompt may speculate after it (speculate_prompts).
-            completes = req.num_computed_tokens + num_new == req.num_tokens
-            spec = self._prompt_nodes(req, num_spec_nodes, budget - num_new) if completes else 0
-            if spec and not self._reserve(req, req.num_computed_tokens + num_new + spec):
-                spec = 0   # the prompt before its speculation
-            if not spec and not self._reserve(req, req.num_computed_tokens + num_new):
+            if not self._reserve(req, req.num_computed_tokens + num_new):
                 self._free_blocks(req)  # give back the prefix-cache hits; try again next step
                 break
             self.waiting.popleft()
@@ -141,8 +139,8 @@ class Scheduler:
             if req.stats.first_scheduled_time is None:
                 req.stats.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            out.seqs.append(ScheduledSeq(req, num_new, spec))
-            budget -= num_new + spec
+            out.seqs.append(ScheduledSeq(req, num_new))
+            budget -= num_new
         return out
 
     def postprocess(self, request: Request) -> None:
@@ -168,16 +166,6 @@ class Scheduler:
         """Cap the tree so its positions stay inside the context and the step's budget."""
         room = self.max_model_len - req.num_tokens  # node at depth d sits at position num_tokens - 1 + d
         return max(0, min(wanted, room, budget_left))
-
-    def _prompt_nodes(self, req: Request, wanted: int, budget_left: int) -> int:
-        """Nodes after a chunk that completes its prompt (speculate_prompts): as many as a
-        decoding step's, but never more than the request can still emit after the token the
-        chunk yields. With none (max_tokens 1), the chunk is a plain prefill, which the draft
-        computes alongside: a chunk given nodes the draft then has no use for would leave the
-        draft's KV behind, and its blocks out of the prefix cache."""
-        if not self.speculate_prompts:
-            return 0
-        return self._spec_nodes(req, min(wanted, req.num_tokens_left - 1), budget_left)
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
         missing = blocks_needed(num_tokens, self.pool.block_size) - len(req.block_table)

@@ -20,10 +20,6 @@ class DraftTree:
     is_sampled: list[bool] = field(default_factory=list)  # [n] drawn from draft_probs (else chosen deterministically)
     draft_probs: torch.Tensor | None = None  # [n, V] distribution each sampled node was drawn from
     path_probs: list[float] = field(default_factory=list)  # [n] draft probability of the path to each node
-    # The depth the drafter was allowed for this sequence (the plan's, cut at max_tokens or the
-    # context's end); a chain shorter than it stopped on the draft's own doubt (early_stop).
-    # None: not recorded (the tree's own depth is taken).
-    room: int | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -53,19 +49,9 @@ class DraftTree:
         return out[::-1]
 
     def verify_mask(self) -> list[list[bool]]:
-        """[(1 + n), (1 + n)] visibility among the verify rows: row 0 is the pending token,
-        row 1 + k is node k, which sees the pending token, its ancestors and itself."""
-        n = self.num_nodes
-        mask = [[False] * (n + 1) for _ in range(n + 1)]
-        mask[0][0] = True
-        for k in range(n):
-            row = mask[k + 1]
-            row[0] = True
-            node = k
-            while node >= 0:
-                row[node + 1] = True
-                node = self.parents[node]
-        return mask
+        """[(1 + n), (1 + n)] visibility among the verify rows: row 0 is the pending token (the
+        root), row 1 + k is node k."""
+        return ancestor_mask([-1] + [p + 1 for p in self.parents])
 
     def select(self, keep: list[int]) -> DraftTree:
         """The subtree of the nodes in `keep` (which must be closed under taking parents),
@@ -104,3 +90,14 @@ def fixed_tree_size(branching: list[int], depth: int) -> int:
         width *= b
         total += width
     return total
+
+
+def ancestor_mask(parents: list[int]) -> list[list[bool]]:
+    """[n, n] visibility among n rows of a tree, parents[i] < i (-1: none): row i sees itself
+    and its ancestors. The one builder of tree attention masks (verify pass and draft levels)."""
+    mask = []
+    for i, p in enumerate(parents):
+        row = mask[p][:] if p >= 0 else [False] * len(parents)
+        row[i] = True
+        mask.append(row)
+    return mask

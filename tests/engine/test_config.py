@@ -168,13 +168,3 @@ def test_with_overrides_errors_name_the_setting():
     with pytest.raises(ConfigError) as e:
         C.with_overrides(base, spec__nodes=3)
     assert "spec.nodes" in str(e.value)
-
-
-def test_early_stop_takes_auto_off_or_a_probability():
-    assert C.default().spec.early_stop == "auto"
-    assert C.from_dict({"spec": {"early_stop": 0.25}}).spec.early_stop == 0.25
-    assert C.from_dict({"spec": {"early_stop": "off"}}).spec.early_stop == "off"
-    for bad in ("sometimes", 1.5, -0.1):
-        with pytest.raises(ConfigError) as e:
-            C.from_dict({"spec": {"early_stop": bad}})
-        assert "spec.early_stop" in str(e.value) and str(bad) in str(e.value), bad

@@ -55,7 +55,7 @@ def test_big_temporaries_stop_faulting_pages_in_once_the_heap_is_kept():
 def test_engine_applies_it_on_the_cpu_unless_turned_off(tmp_path):
     out = run("""
     from specserve import LLM, cpu_malloc
-    LLM(dtype="float32", progress=False, cpu_heap_malloc=False, draft="none", num_blocks=64)
+    LLM(dtype="float32", progress=False, cpu__heap_malloc=False, draft="none", num_blocks=64)
     print(cpu_malloc._applied)
     LLM(dtype="float32", progress=False, draft="none", num_blocks=64)
     print(cpu_malloc._applied)

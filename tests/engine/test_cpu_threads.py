@@ -1,6 +1,6 @@
-"""CPU intra-op threads per forward (config `cpu_parallel_min_rows`).
+"""CPU intra-op threads per forward (runner.CpuThreads).
 
-Forwards of fewer rows than the threshold run on one thread, the others on `cpu_threads`;
+Forwards of fewer than 5 rows run on one thread, the others on `[cpu] threads`;
 the process's thread count is the same after every forward as before it (so code sharing
 the process, such as a benchmark's transformers baseline, keeps its setting); and the
 output does not depend on the threads (greedy speculation still equals plain decoding).
@@ -39,8 +39,7 @@ def record_threads(runner, seen: list[tuple[int, int]]) -> None:
 
 def test_few_rows_run_on_one_thread(tiny_llama, two_threads):
     llm = LLM(target=str(tiny_llama), draft=str(tiny_llama), dtype="float64", device="cpu", progress=False,
-              num_blocks=64, block_size=4, spec_mode="static", spec_depth=5, cpu_threads=two_threads,
-              cpu_parallel_min_rows=5)
+              num_blocks=64, block_size=4, spec_mode="static", spec_depth=5, cpu_threads=two_threads)
     seen_target, seen_draft = [], []
     record_threads(llm.engine.target, seen_target)
     record_threads(llm.engine.draft, seen_draft)
@@ -58,12 +57,11 @@ def test_few_rows_run_on_one_thread(tiny_llama, two_threads):
 def test_threads_do_not_change_greedy_output(tiny_llama, two_threads):
     common = dict(target=str(tiny_llama), dtype="float64", device="cpu", progress=False, num_blocks=64, block_size=4)
     ref = [o.token_ids for o in LLM(draft="none", **common).generate(PROMPTS, GREEDY)]
-    spec = LLM(draft=str(tiny_llama), spec_mode="static", spec_depth=4, cpu_threads=two_threads,
-               cpu_parallel_min_rows=2, **common)
+    spec = LLM(draft=str(tiny_llama), spec_mode="static", spec_depth=4, cpu_threads=two_threads, **common)
     assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == ref
 
 
 def test_setting_is_validated():
-    assert with_overrides(EngineConfig(), cpu_parallel_min_rows=3).cpu_parallel_min_rows == 3
-    with pytest.raises(ConfigError, match="cpu_parallel_min_rows"):
-        with_overrides(EngineConfig(), cpu_parallel_min_rows=0)
+    assert with_overrides(EngineConfig(), cpu_threads=3).cpu.threads == 3
+    with pytest.raises(ConfigError, match="cpu.threads"):
+        with_overrides(EngineConfig(), cpu_threads=0)

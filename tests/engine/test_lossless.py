@@ -113,24 +113,25 @@ def test_draft_is_far_from_target(pair, exact):
     print(f'TV(draft-continued, target) = {dist:.3f}')
 
 
-@pytest.mark.parametrize("tree,speculate_prompts", [("chain", False), ("fixed", False), ("chain", True), ("fixed", True)])
-def test_speculative_sampling_matches_target_distribution(pair, exact, tree, speculate_prompts):
-    """x1 x2 x3 sampled after the prompt; with speculate_prompts the prompt's own step drafts
-    x1 and x2 and verifies them (x1 is then a verified draft token, not a plain sample)."""
+@pytest.mark.parametrize("tree", ["chain", "fixed"])
+def test_speculative_sampling_matches_target_distribution(pair, exact, tree):
+    """x1 sampled after the prompt (the step with no nodes), x2 x3 drafted and verified."""
     target, draft = pair
-    counts, totals = sample_engine(target, draft, tree, speculate_prompts=speculate_prompts)
+    counts, totals = sample_engine(target, draft, tree)
     assert set(counts) <= set(exact), "a token outside the target's top-k/top-p support was emitted"
     d, b = tv(counts, N, exact), bound(len(exact), N)
     assert d < b, f"{tree}: TV {d:.4f} >= bound {b:.4f} (K={len(exact)}, N={N})"
 
 
 def test_chains_that_stop_early_still_follow_the_target(pair, monkeypatch):
-    """Early stop ([spec] early_stop) ends a chain where the draft's own probability of its
-    path falls below a threshold: the chain's length depends on the draft's samples only, so
-    each verified position is still the target's distribution, and so is the output. Four
-    tokens: x1 from the prefill, then a step that may draft x2 and x3 and stops after x2 when
-    the draft drew x2 at probability below 0.3."""
+    """Early stop (controller.EarlyStop) ends a chain before its first node whose path
+    probability does not pay for its row: the chain's length depends on the draft's own draws
+    only, so each verified position is still the target's distribution, and so is the output.
+    Four tokens: x1 from the prefill, then a step that may draft x2 and x3 (x4 is its bonus),
+    each kept while the draft's path probability is above 0.15."""
+    from specserve.controller import EarlyStop, Plan
     from specserve.drafts.model import ModelDrafter
+    from specserve.spec import Speculator
 
     trees = []
     real = ModelDrafter.propose
@@ -140,13 +141,20 @@ def test_chains_that_stop_early_still_follow_the_target(pair, monkeypatch):
         trees.extend(out)
         return out
 
+    def plan(self, running):
+        nodes = {r.request_id: min(3, r.num_tokens_left - 1) for r in running if r.num_tokens_left > 1}
+        B = len(running)
+        return Plan(3, nodes, EarlyStop(1.0, 1.0, 1.0, 0.0, [0.15 * B * r for r in range(8)], B, rows=B))
+
     monkeypatch.setattr(ModelDrafter, "propose", propose)
+    monkeypatch.setattr(Speculator, "plan", plan)
     target, draft = pair
     exact = exact_joint(target, length=4)
     n = 3000
-    counts, _ = sample_engine(target, draft, "chain", n=n, seed0=2 * 10**6, length=4, spec__early_stop=0.3)
-    stopped = sum(t.num_nodes < t.room for t in trees)
-    assert n // 10 < stopped < sum(t.room == 2 for t in trees), "the threshold should stop some chains, not all"
+    counts, _ = sample_engine(target, draft, "chain", n=n, seed0=2 * 10**6, length=4)
+    lengths = [t.num_nodes for t in trees]
+    assert n // 10 < sum(k < 2 for k in lengths) < len(lengths) - n // 10, "the threshold should stop some chains"
+    assert all(p > 0.15 for t in trees for p in t.path_probs)
     assert set(counts) <= set(exact)
     d, b = tv(counts, n, exact), bound(len(exact), n)
     assert d < b, f"early stop: TV {d:.4f} >= bound {b:.4f} (K={len(exact)}, N={n})"

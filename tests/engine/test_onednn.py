@@ -1,9 +1,9 @@
-"""Linear layers through oneDNN with packed weights (config `cpu_linear`).
+"""Linear layers through oneDNN with packed weights (config `[cpu] linear`).
 
 The packed path must give transformers' logits (as F.linear does), for every family
 including Qwen2's biased q/k/v; each row's output must not depend on the rows beside it;
 and the engine packs exactly the layers the setting names: all ("onednn"); every layer of a
-model of at least `cpu_onednn_min_mib` and the layers of 1 MiB or more of a smaller one
+model of at least 8 MiB and the layers of 1 MiB or more of a smaller one
 ("auto"); none ("torch"); never those of a float64 model.
 """
 
@@ -77,26 +77,27 @@ def make_llm(path, **kw) -> LLM:
                num_blocks=64, block_size=4, spec_mode="static", spec_depth=3, **kw)
 
 
-def test_engine_packs_what_the_setting_says(tiny_llama):
-    # The tiny checkpoint's linears are far below the default 8 MiB: "auto" leaves them alone.
+def test_engine_packs_what_the_setting_says(tiny_llama, monkeypatch):
+    # The tiny checkpoint's linears are far below 8 MiB: "auto" leaves them alone.
+    from specserve import engine
+
     llm = make_llm(tiny_llama)
     assert not is_packed(llm.engine.target.model) and not is_packed(llm.engine.draft.model)
-    llm = make_llm(tiny_llama, cpu_onednn_min_mib=0.0)
+    llm = make_llm(tiny_llama, cpu__linear="onednn")
     assert is_packed(llm.engine.target.model) and is_packed(llm.engine.draft.model)
-    llm = make_llm(tiny_llama, cpu_linear="onednn")
-    assert is_packed(llm.engine.target.model) and is_packed(llm.engine.draft.model)
-    llm = make_llm(tiny_llama, cpu_linear="torch", cpu_onednn_min_mib=0.0)
+    monkeypatch.setattr(engine, "_ONEDNN_MIN_MODEL_BYTES", 0)
+    llm = make_llm(tiny_llama, cpu__linear="torch")
     assert not is_packed(llm.engine.target.model) and not is_packed(llm.engine.draft.model)
-    # Threshold between the two: the bytes of one model's linears.
-    mib = llm.engine.target.model.linear_weight_bytes() / 2**20
-    llm = make_llm(tiny_llama, cpu_onednn_min_mib=mib * 1.01)
-    assert not is_packed(llm.engine.target.model)
-    llm = make_llm(tiny_llama, cpu_onednn_min_mib=mib * 0.99)
-    assert is_packed(llm.engine.target.model)
+    # "auto": the threshold between the two is the bytes of one model's linears.
+    size = llm.engine.target.model.linear_weight_bytes()
+    monkeypatch.setattr(engine, "_ONEDNN_MIN_MODEL_BYTES", size + 1)
+    assert not is_packed(make_llm(tiny_llama).engine.target.model)
+    monkeypatch.setattr(engine, "_ONEDNN_MIN_MODEL_BYTES", size)
+    assert is_packed(make_llm(tiny_llama).engine.target.model)
 
 
 def test_auto_packs_the_big_layers_of_a_small_model(tmp_path):
-    """A model below cpu_onednn_min_mib with a 1 MiB LM head (4096 x 64 float32): "auto"
+    """A model below 8 MiB of linears with a 1 MiB LM head (4096 x 64 float32): "auto"
     packs the head only."""
     path = make_checkpoint(tmp_path / "wide_head", vocab_size=4096)
     llm = LLM(target=str(path), draft="none", dtype="float32", device="cpu", progress=False,
@@ -113,18 +114,16 @@ def test_packed_engine_generates_like_the_unpacked_one(tiny_llama):
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = [[5, 9, 11, 3, 7, 2, 8, 13, 21, 4, 6], [17, 3, 3, 9]]
     plain = LLM(target=str(tiny_llama), draft="none", dtype="float32", device="cpu", progress=False,
-                num_blocks=64, block_size=4, cpu_linear="torch")
+                num_blocks=64, block_size=4, cpu__linear="torch")
     expected = [o.token_ids for o in plain.generate(prompts, params)]
-    spec = make_llm(tiny_llama, cpu_linear="onednn")
+    spec = make_llm(tiny_llama, cpu__linear="onednn")
     assert [o.token_ids for o in spec.generate(prompts, params)] == expected
     assert spec.engine.pool.num_free_blocks == spec.engine.pool.num_blocks
 
 
 def test_bad_setting_is_named():
-    with pytest.raises(ConfigError, match="cpu_linear"):
-        with_overrides(EngineConfig(), cpu_linear="mkl")
-    with pytest.raises(ConfigError, match="cpu_onednn_min_mib"):
-        with_overrides(EngineConfig(), cpu_onednn_min_mib=-1.0)
+    with pytest.raises(ConfigError, match="cpu.linear"):
+        with_overrides(EngineConfig(), cpu__linear="mkl")
 
 
 # Each check of the primitive cache in a fresh interpreter: its capacity is read once per

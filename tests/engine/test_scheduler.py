@@ -10,11 +10,15 @@ from specserve.sampling import SamplingParams
 from specserve.scheduler import Scheduler
 
 
-def make(num_blocks=64, block_size=4, budget=2048, max_num_seqs=64, chunked=True, prefix=False,
-         speculate_prompts=False):
+def make(num_blocks=64, block_size=4, budget=2048, max_num_seqs=64, chunked=True, prefix=False):
     pool = KVPool(num_blocks, block_size, enable_prefix_caching=prefix)
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, enable_chunked_prefill=chunked)
-    return Scheduler(cfg, pool, max_model_len=512, has_draft_kv=False, speculate_prompts=speculate_prompts), pool
+    return Scheduler(cfg, pool, max_model_len=512, has_draft_kv=False), pool
+
+
+def every(sched, n):
+    """A plan giving every running request n nodes."""
+    return {r.request_id: n for r in sched.running}
 
 
 def req(rid, n_prompt, max_tokens=8, base=10):
@@ -42,7 +46,7 @@ def run_all(sched, max_steps=500, num_spec_nodes=0, budget=None):
     for _ in range(max_steps):
         if not sched.has_unfinished():
             return steps
-        out = sched.schedule(num_spec_nodes)
+        out = sched.schedule(every(sched, num_spec_nodes))
         if budget is not None:
             assert out.num_batched_tokens <= budget
         steps.append(out)
@@ -114,7 +118,7 @@ def test_speculation_is_dropped_before_anyone_is_preempted():
     sched.add(b)
     advance(sched, sched.schedule())
     assert pool.num_free_blocks == 0 and a.num_computed_tokens == 7 and a.num_tokens == 8
-    out = sched.schedule(num_spec_nodes=3)
+    out = sched.schedule(every(sched, 3))
     assert [(s.request.request_id, s.num_new_tokens, s.num_spec_nodes) for s in out.seqs] == [("a", 1, 0), ("b", 1, 0)]
     assert sched.num_preemptions == 0 and not out.preempted
 
@@ -125,7 +129,7 @@ def test_speculation_reserves_scratch_and_is_capped_by_budget():
     sched.add(a)
     sched.add(b)
     advance(sched, sched.schedule())
-    out = sched.schedule(num_spec_nodes=4)
+    out = sched.schedule({"a": 4, "b": 4})
     # a: pending token + 4 nodes = 5 of the 6-token budget; b: 1 token left, no room for nodes.
     assert [(s.num_new_tokens, s.num_spec_nodes) for s in out.seqs] == [(1, 4), (1, 0)]
     assert out.num_batched_tokens == 6
@@ -218,38 +222,11 @@ def test_prefix_cache_hit_on_admission():
     pool.check_all_free()
 
 
-def test_the_chunk_that_completes_a_prompt_speculates_after_it():
-    """speculate_prompts: a prompt's last chunk takes the tree nodes after its last token (its
-    first step can emit more than one token); earlier chunks do not, and neither does a prompt
-    whose chunk fills the budget or whose scratch the pool cannot hold."""
-    sched, pool = make(budget=16, speculate_prompts=True)
-    long, short = req("long", 20, max_tokens=8), req("short", 6, max_tokens=8)
-    sched.add(long)
-    sched.add(short)
-    first = sched.schedule(num_spec_nodes=3)
-    # The long prompt's first chunk fills the budget: no room for the short one or for nodes.
-    assert [(s.request.request_id, s.num_new_tokens, s.num_spec_nodes) for s in first.seqs] == [("long", 16, 0)]
-    advance(sched, first)
-    second = sched.schedule(num_spec_nodes=3)
-    # The long prompt's last chunk (4 tokens) and the short prompt (6) each take 3 nodes: 16 tokens.
-    assert [(s.request.request_id, s.num_new_tokens, s.num_spec_nodes, s.is_decode) for s in second.seqs] == [
-        ("long", 4, 3, True), ("short", 6, 3, True)]
-    assert second.num_batched_tokens == 16
-    # Their nodes' slots are reserved: positions up to prompt + 3.
-    assert len(long.block_table) * 4 >= 20 + 3 and len(short.block_table) * 4 >= 6 + 3
-    # Without it, the same prompts take no nodes until they decode.
-    plain, _ = make(budget=16)
-    plain.add(req("a", 6))
-    assert plain.schedule(num_spec_nodes=3).seqs[0].num_spec_nodes == 0
-    # A pool with room for the prompt but not its nodes admits the prompt alone.
-    tight, tight_pool = make(num_blocks=2, budget=64, speculate_prompts=True)
-    tight.add(req("b", 8))
-    only = tight.schedule(num_spec_nodes=3)
-    assert [(s.num_new_tokens, s.num_spec_nodes) for s in only.seqs] == [(8, 0)]
-    assert tight_pool.num_free_blocks == 0
-    # Never more nodes than the request can emit after the chunk's token: none at max_tokens 1
-    # (a plain prefill, which the draft computes too, so its blocks reach the prefix cache).
-    few, _ = make(speculate_prompts=True)
-    few.add(req("one", 6, max_tokens=1))
-    few.add(req("two", 6, max_tokens=2))
-    assert [s.num_spec_nodes for s in few.schedule(num_spec_nodes=3).seqs] == [0, 1]
+def test_each_request_gets_the_nodes_the_plan_gives_it():
+    sched, _ = make(num_blocks=32, block_size=4)
+    for rid in "abc":
+        sched.add(req(rid, 3, max_tokens=20, base=10 + ord(rid)))
+    advance(sched, sched.schedule())
+    out = sched.schedule({"a": 3, "c": 1})
+    assert [(s.request.request_id, s.num_spec_nodes) for s in out.seqs] == [("a", 3), ("b", 0), ("c", 1)]
+    assert all(not s.is_prefill for s in out.seqs)

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specserve import LLM, SamplingParams
-from specserve.controller import Plan
+from specserve.controller import EarlyStop, Plan
 from specserve.spec import SpecTotals
 from tests.checkpoints import make_checkpoint
 
@@ -89,7 +89,7 @@ def check_stats(llm, outs, perfect_chain=False):
     per_pos = [sum(o.stats.accepted_per_position[k] if k < len(o.stats.accepted_per_position) else 0 for o in outs)
                for k in range(len(totals.accepted_per_position))]
     assert per_pos == totals.accepted_per_position
-    assert totals.num_emitted_tokens == accepted + totals.num_verify_passes
+    assert totals.num_emitted_tokens == accepted + totals.num_drafts
 
 
 def run_and_compare(llm, reference, prompts=PROMPTS, params=GREEDY):
@@ -101,27 +101,23 @@ def run_and_compare(llm, reference, prompts=PROMPTS, params=GREEDY):
     return outs
 
 
-def passes_perfect(depth: int, speculate_prompts: bool) -> int:
+def passes_perfect(depth: int) -> int:
     """Target passes a request of MAX_TOKENS takes with a draft whose path is always the
-    target's: passes of depth + 1 tokens, none wasted; without speculate_prompts the prompt's
-    pass yields one token and the rest follow."""
-    if speculate_prompts:
-        return math.ceil(MAX_TOKENS / (depth + 1))
+    target's: the prompt's pass yields one token, then passes of depth + 1, none wasted."""
     return 1 + math.ceil((MAX_TOKENS - 1) / (depth + 1))
 
 
-@pytest.mark.parametrize("speculate_prompts", [True, False])
 @pytest.mark.parametrize("depth", [1, 2, 3, 4, 5, 6, 7, 8])
-def test_chain_perfect_draft(models, reference, depth, speculate_prompts):
-    llm = make_llm(models, "perfect", depth=depth, speculate_prompts=speculate_prompts)
+def test_chain_perfect_draft(models, reference, depth):
+    llm = make_llm(models, "perfect", depth=depth)
     outs = run_and_compare(llm, reference)
     check_stats(llm, outs, perfect_chain=True)
     # Every verify pass accepts its whole chain, and no chain is longer than the request can
     # still emit (the scheduler cuts the last one): the fewest passes of at most depth + 1
-    # tokens, none wasted, the prompt's among them when it speculates.
-    emitted_by_drafts = MAX_TOKENS if speculate_prompts else MAX_TOKENS - 1
+    # tokens, none wasted.
+    emitted_by_drafts = MAX_TOKENS - 1
     for o in outs:
-        assert o.stats.num_target_passes == passes_perfect(depth, speculate_prompts)
+        assert o.stats.num_target_passes == passes_perfect(depth)
         assert o.stats.num_draft_tokens + o.stats.num_drafts <= emitted_by_drafts
     totals = llm.engine.spec.totals
     assert totals.accepted_per_position[0] == totals.num_drafts
@@ -153,15 +149,13 @@ def test_ngram_drafter(models, reference, depth):
     check_stats(llm, outs)
 
 
-@pytest.mark.parametrize("speculate_prompts", [True, False])
 @pytest.mark.parametrize("draft", ["ngram", "perfect"])
-def test_no_draft_deeper_than_the_request_can_emit(models, draft, speculate_prompts):
+def test_no_draft_deeper_than_the_request_can_emit(models, draft):
     # Depth 8 but only 4 tokens per request: no chain may be longer than the tokens left less
-    # one (its pass also emits the bonus token), the prompt's chain included: every proposed
-    # token can be emitted.
+    # one (its pass also emits the bonus token): every proposed token can be emitted.
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     ref = [o.token_ids for o in make_llm(models, "none").generate(PROMPTS, params)]
-    llm = make_llm(models, draft, depth=8, speculate_prompts=speculate_prompts)
+    llm = make_llm(models, draft, depth=8)
     drafter = llm.engine.spec.drafter
     real = drafter.propose
     longest = []
@@ -177,8 +171,8 @@ def test_no_draft_deeper_than_the_request_can_emit(models, draft, speculate_prom
     outs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == ref
     assert sum(o.stats.num_drafts for o in outs) > 0
-    if draft == "perfect":   # a prompt's step drafts the three tokens after its first, or the next step
-        assert max(longest) == (3 if speculate_prompts else 2)
+    if draft == "perfect":   # the step after the prompt's drafts the two tokens before the last
+        assert max(longest) == 2
     llm.engine.pool.check_all_free()
 
 
@@ -195,7 +189,7 @@ def test_fixed_tree(models, reference, draft, branching):
         # The draft's top-1 path is in the tree and is the target's argmax path: every pass
         # emits a full path, the last one cut to what the request still needs.
         for o in outs:
-            assert o.stats.num_target_passes == passes_perfect(len(branching), False)
+            assert o.stats.num_target_passes == passes_perfect(len(branching))
         assert n > 0
 
 
@@ -220,14 +214,11 @@ def test_mixed_batch_greedy_and_sampled(models, reference):
     llm.engine.pool.check_all_free()
 
 
-@pytest.mark.parametrize("tree,speculate_prompts", [
-    ("chain", True), ("chain", False), ("fixed", False), ("dynamic", True), ("dynamic", False)])
-def test_preemption_and_prefix_cache(models, reference, tree, speculate_prompts):
-    # 3 requests of 17, 24 and 31 tokens in all (19 blocks of 4) plus speculation scratch, in 9
-    # blocks. (A fixed tree with a perfect draft speculating on its prompts is done in four
-    # passes a request: too few to run out of blocks and keep the cache, whatever the pool.)
+@pytest.mark.parametrize("tree", ["chain", "fixed", "dynamic"])
+def test_preemption_and_prefix_cache(models, reference, tree):
+    # 3 requests of 17, 24 and 31 tokens in all (19 blocks of 4) plus speculation scratch, in 9 blocks.
     llm = make_llm(models, "weak" if tree == "chain" else "perfect", tree=tree, depth=3,
-                   num_blocks=9, enable_prefix_caching=True, speculate_prompts=speculate_prompts)
+                   num_blocks=9, enable_prefix_caching=True)
     run_and_compare(llm, reference)
     assert llm.engine.scheduler.num_preemptions > 0
     # Again: the prompts' blocks are in the prefix cache now (both models' KV).
@@ -434,52 +425,18 @@ def test_qwen3_speculation(qwen3, tree):
     ("chain", 1, 5, "static"),      # budget caps the tree: pending token + 4 nodes
     ("fixed", 3, 3, "static"),      # chunked prefill and trees cut by the budget
     ("dynamic", 16, 2048, "adaptive"),
-    ("chain", 4, 16, "adaptive"),   # the controller mixes plain steps and speculative ones
+    ("chain", 4, 16, "adaptive"),
 ])
 def test_block_sizes_budgets_and_adaptive_depth(models, reference, tree, block_size, budget, mode):
     llm = make_llm(models, "weak" if tree == "chain" else "perfect", tree=tree, depth=4,
                    block_size=block_size, num_blocks=512 // block_size, max_num_batched_tokens=budget,
                    spec_mode=mode)
-    ctrl = llm.engine.spec.controller
-    if mode == "adaptive" and tree == "dynamic":
-        # Every other step a tree plan, whatever the estimates say, so that trees are verified
-        # and their path probabilities reach the controller (decisions: test_controller.py).
-        plan, calls = ctrl.plan, [0]
-
-        def every_other_step_a_tree(*a):
-            calls[0] += 1
-            return plan(*a) if calls[0] % 2 else Plan(3, 6)
-        ctrl.plan = every_other_step_a_tree
     outs = run_and_compare(llm, reference)
     if mode == "static":
         check_stats(llm, outs)
-    elif tree == "dynamic":
-        # The verified trees' path probabilities reached the controller (its EAGLE-2 estimate).
-        assert llm.engine.spec.totals.num_drafts > 0
-        assert ctrl._tree_profile and ctrl._tree_predicted > 0
-
-
-def test_calibration_strews_its_dummy_sequences_over_the_pool(models, monkeypatch):
-    """The start-up calibration times passes over blocks scattered as a served batch's are
-    (the pool recycles blocks first in, first out): over neighbouring blocks the gathers cost
-    less, and not by one factor across depths (spec.py, _calibrate)."""
-    from specserve.runner import ForwardInput
-
-    tables, add = [], ForwardInput.add
-
-    def record(self, token_ids, positions, slots, block_table, *a, **kw):
-        tables.append(list(block_table))
-        return add(self, token_ids, positions, slots, block_table, *a, **kw)
-    monkeypatch.setattr(ForwardInput, "add", record)
-    llm = make_llm(models, "weak", depth=4, block_size=4, num_blocks=128, spec_mode="adaptive")
-    steps = [(a, b) for t in tables for a, b in zip(t, t[1:])]
-    assert len(steps) > 100
-    neighbours = sum(b == a + 1 for a, b in steps)
-    assert neighbours < 0.1 * len(steps), f"{neighbours} of {len(steps)} block steps are neighbours"
-    used = {b for t in tables for b in t}
-    assert max(used) > 0.75 * 128 and min(used) < 0.25 * 128   # over the whole pool
-    assert all(len(set(t)) == len(t) for t in tables)            # a sequence's own blocks
-    llm.engine.pool.check_all_free()
+    else:
+        ctrl = llm.engine.spec.controller
+        assert sum(ctrl.depth_histogram.values()) > 0 and not ctrl.acceptance.requests
 
 
 @pytest.mark.parametrize("draft_vocab", [416, 400])
@@ -513,17 +470,17 @@ def test_draft_with_too_small_a_vocabulary_is_refused(models, tmp_path):
 def test_a_step_costs_from_the_end_of_the_one_before(models):
     """What the caller does between steps (the server's event loop writing an SSE event per
     request per step) is part of each step's cost, unless the engine idled in between: the
-    controller's step overhead counts the gap, and not a wait after idle()."""
+    rest of a step the controller learns counts the gap, and not a wait after idle()."""
     import time
 
     llm = make_llm(models, "weak", spec_mode="adaptive")
     engine, seen = llm.engine, []
     observe = engine.spec.controller.observe
 
-    def record(stats):
-        if stats.verify_s > 0:   # a decode step (prefill steps book no costs)
-            seen.append(stats.overhead_s)
-        observe(stats)
+    def record(batch_size, rows, levels, draft_s, verify_s, rest_s, chains, timed=True):
+        if timed and batch_size:
+            seen.append(rest_s)
+        observe(batch_size, rows, levels, draft_s, verify_s, rest_s, chains, timed)
     engine.spec.controller.observe = record
     for p in PROMPTS:
         engine.add_request(None, p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
@@ -544,23 +501,21 @@ def test_a_step_costs_from_the_end_of_the_one_before(models):
     engine.pool.check_all_free()
 
 
-def test_finished_requests_leave_no_history_in_the_controller(models, reference):
-    """The step that finishes a request still reports its acceptance to the controller (at
-    the step's end, after the engine forgot the request): that report must not bring the
-    request's history back, or every request that ends inside a step stays tracked for good."""
+def test_finished_and_aborted_requests_leave_no_history_in_the_controller(models, reference):
     llm = make_llm(models, "weak", spec_mode="adaptive")
     ctrl = llm.engine.spec.controller
-    ctrl.plan = lambda *a: Plan(4, 4)   # speculate every step, whatever this tiny pair's costs say
+    plan = ctrl.plan
+    ctrl.plan = lambda seqs: Plan(4, {rid: min(4, cap) for rid, cap, _ in seqs if cap})  # speculate every step
     stop = reference[2][5]
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 7, 11, MAX_TOKENS)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 7, MAX_TOKENS)]
     params.append(SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]))
     for p in params:
         outs = llm.generate(PROMPTS, p)
         assert [o.token_ids for o in outs] == [r[: len(o.token_ids)] for r, o in zip(reference, outs)]
-        assert ctrl.snapshot()["num_tracked_requests"] == 0, p
+        assert not ctrl.acceptance.requests, p
     assert outs[2].finish_reason == "stop"
     assert llm.engine.spec.totals.num_drafts > 0
-    # Aborted between steps, while the others go on: forgotten as well.
+    ctrl.plan = plan
     eng = llm.engine
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"a{i}", p, GREEDY)
@@ -569,187 +524,67 @@ def test_finished_requests_leave_no_history_in_the_controller(models, reference)
     eng.abort_request("a1")
     while eng.has_unfinished_requests():
         eng.step()
-    eng.step()
-    assert ctrl.snapshot()["num_tracked_requests"] == 0
+    assert not ctrl.acceptance.requests
     llm.engine.pool.check_all_free()
 
 
-def test_requests_served_by_plain_steps_count_at_their_length(models):
-    """What prices the churn (the mean request length) is what each request decoded, steps
-    at depth 0 included, whether the adaptive controller planned them or a static setting
-    had it detached: a spell of plain steps must not make requests look short."""
+def test_the_controller_learns_sampled_and_greedy_acceptance_apart(models):
     llm = make_llm(models, "weak", spec_mode="adaptive")
-    ctrl = llm.engine.spec.adaptive
-    llm.engine.set_speculation("static", 0)
-    llm.generate(PROMPTS, SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
-    assert ctrl._num_finished == len(PROMPTS) and ctrl.request_tokens == pytest.approx(8.0)
-    # Adaptive, with every step plain: the same.
-    llm.engine.set_speculation("adaptive")
-    ctrl.plan = lambda *a: Plan(0, 0)
-    llm.generate(PROMPTS, SamplingParams(max_tokens=21, temperature=0.0, ignore_eos=True))
-    assert llm.engine.spec.totals.num_drafts == 0
-    assert ctrl._num_finished == 2 * len(PROMPTS)
-    assert ctrl.request_tokens == pytest.approx(14.0)   # 8 and 20 as many times: a plain mean
-    llm.engine.pool.check_all_free()
-
-
-def test_the_controller_is_told_which_requests_sample(models):
-    """Speculator.plan names the batch's sampled requests, so the controller keeps sampled
-    and greedy acceptance apart once it has seen both, and drops them as they finish."""
-    llm = make_llm(models, "weak", spec_mode="adaptive")
-    ctrl = llm.engine.spec.adaptive
-    seen = []
-    plan = ctrl.plan
-
-    def spy(*args, **kw):   # the real plan learns who samples; every step speculates
-        seen.append(args[5] if len(args) > 5 else kw.get("sampled"))
-        plan(*args, **kw)
-        return Plan(3, 3)
-
-    ctrl.plan = spy
+    ctrl = llm.engine.spec.controller
+    ctrl.plan = lambda seqs: Plan(3, {rid: min(3, cap) for rid, cap, _ in seqs if cap})
+    initial = ctrl.cfg.initial_acceptance
     llm.generate(PROMPTS, GREEDY)
-    assert seen and all(s == [False] * len(s) for s in seen)
-    assert ctrl._kind_acc is None   # greedy only: one kind
-    seen.clear()
-    params = [GREEDY, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=1, ignore_eos=True), GREEDY]
-    llm.generate(PROMPTS, params)
-    assert [False, True, False] in seen
-    assert ctrl._kind_acc is not None and not ctrl._sampled_ids
+    assert ctrl.acceptance.glob[False][0] != initial and ctrl.acceptance.glob[True][0] == initial
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=1, ignore_eos=True)
+    llm.generate(PROMPTS, [GREEDY, sampled, GREEDY])
+    assert ctrl.acceptance.glob[True][0] != initial
     llm.engine.pool.check_all_free()
 
 
 def _spy_trees(llm) -> list:
-    """(stop_below, tree) of every tree the drafter proposes from now on."""
+    """(shape, trees) of every propose() from now on."""
     seen = []
     drafter = llm.engine.spec.drafter
     real = drafter.propose
 
     def propose(seqs, shape, prefills):
         trees = real(seqs, shape, prefills)
-        seen.extend((shape.stop_below, t) for t in trees if t.num_nodes)
+        seen.append((shape, [t for t in trees if t.num_nodes]))
         return trees
 
     drafter.propose = propose
     return seen
 
 
-def test_early_stop_ends_a_chain_at_its_first_doubtful_node(models, reference):
-    # The draft's path probabilities first (a threshold too low to stop anything), then a
-    # threshold in their midst: each chain ends at its first node below it, and greedy output
-    # is the target's.
-    llm = make_llm(models, "weak", depth=6, spec__early_stop=1e-12)
-    seen = _spy_trees(llm)
-    run_and_compare(llm, reference)
-    assert seen and all(t.num_nodes == t.room for _, t in seen)
-    probs = sorted(p for _, t in seen for p in t.path_probs)
-    stop = probs[len(probs) // 2]
-    llm = make_llm(models, "weak", depth=6, spec__early_stop=stop)
-    seen = _spy_trees(llm)
-    check_stats(llm, run_and_compare(llm, reference))
-    assert seen and all(s == stop for s, _ in seen)
-    for _, t in seen:
-        assert t.is_chain and all(p >= stop for p in t.path_probs[:-1])
-        assert t.path_probs[-1] < stop or t.num_nodes == t.room
-    assert any(t.num_nodes < t.room for _, t in seen), "no chain stopped early"
-    assert any(t.num_nodes > 1 for _, t in seen), "every chain stopped at its first node"
-    # Off: every chain runs to the depth it is allowed.
-    llm = make_llm(models, "weak", depth=6, spec__early_stop="off")
-    seen = _spy_trees(llm)
-    run_and_compare(llm, reference)
-    assert all(s == 0.0 and t.num_nodes == t.room for s, t in seen)
+def test_early_stop_cuts_chains_by_their_path_probability(models, reference):
+    """A calibrated draft's chains are cut while drafted: a node is kept while its path
+    probability pays for its row at the plan's goodput. With no cost every chain runs to its
+    cap; with a threshold amid the path probabilities chains end at their first node below
+    it; with a huge one nothing is verified. The output is the target's throughout."""
+    row = 0.01   # seconds a verify row costs
 
+    def run(goodput):
+        llm = make_llm(models, "weak", depth=6, spec_mode="adaptive")
 
-def test_the_level_rule_ends_the_batchs_chains_together(models, reference):
-    # With early_stop "auto" the controller also sets a per-level threshold: the next draft
-    # level runs only while the growing chains' path probabilities, each less the chain
-    # threshold, sum to at least it (a level is one forward for the whole batch). With the
-    # chain threshold at 0, every chain of a step is drafted to the same depth, and that
-    # depth is where the sum first fell short (or the plan's, or the chains' room).
-    def run(level_below):
-        llm = make_llm(models, "weak", depth=6, spec__early_stop="auto")
-        spec = llm.engine.spec
-        calls = []
-        real = spec.drafter.propose
+        def plan(seqs):
+            nodes = {rid: min(6, cap) for rid, cap, _ in seqs if cap}
+            return Plan(max(nodes.values(), default=0), nodes, EarlyStop(
+                goodput, 1.0, 0.8, 0.0, [0.05 + row * len(seqs) * r for r in range(10)], len(seqs),
+                rows=len(seqs)))
+        llm.engine.spec.controller.plan = plan
+        seen = _spy_trees(llm)
+        outs = run_and_compare(llm, reference)
+        return llm, outs, [t for _, ts in seen for t in ts]
 
-        def propose(seqs, shape, prefills):
-            trees = real(seqs, shape, prefills)
-            calls.append((shape, [t for t in trees if t.num_nodes]))
-            return trees
-
-        spec.drafter.propose = propose
-        spec._stop_below = lambda depth: (0.0, level_below) if depth else (0.0, 0.0)
-        check_stats(llm, run_and_compare(llm, reference))
-        return [(shape, trees) for shape, trees in calls if trees]
-
-    # The sums the levels see when nothing stops; then a threshold in their midst.
-    sums = sorted(sum(t.path_probs[k] for t in trees if t.room > k + 1)
-                  for _, trees in run(1e-12) for k in range(5))
-    level = sums[len(sums) // 2]
-    stopped = went_on = 0
-    for shape, trees in run(level):
-        assert shape.level_below == level
-        levels = max(t.num_nodes for t in trees)
-        for k in range(1, levels + 1):
-            growing = [t for t in trees if t.room > k]   # those a level k + 1 would grow
-            total = sum(t.path_probs[k - 1] for t in growing)
-            if k < levels:
-                assert total >= level and all(t.num_nodes > k for t in growing)
-                went_on += 1
-            elif growing and k < shape.depth:
-                assert total < level
-                stopped += 1
-    assert stopped and went_on, (stopped, went_on)
-
-
-@pytest.mark.parametrize("tree", ["chain", "fixed", "dynamic"])
-def test_a_prompt_speculates_in_the_step_that_completes_it(models, reference, tree):
-    """speculate_prompts: the step that completes a prompt also verifies a draft
-    after it, beside other sequences' rows; with a budget of 12 tokens a step, the longer
-    prompts come in chunks and only their last chunk carries a tree. The output is the
-    target's, and with a perfect draft a request's first step emits more than one token."""
-    kw = {"branching": [2, 2, 1]} if tree == "fixed" else {}
-    llm = make_llm(models, "perfect", tree=tree, depth=3, max_num_batched_tokens=12, speculate_prompts=True, **kw)
-    engine = llm.engine
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", prompt, GREEDY)
-    first, last = {}, {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            first.setdefault(o.request_id, len(o.token_ids))
-            last[o.request_id] = o.token_ids
-    assert [last[f"r{i}"] for i in range(len(PROMPTS))] == reference
-    assert max(first.values()) > 1
-    engine.pool.check_all_free()
-
-
-def test_a_chunk_and_its_tree_see_what_they_should():
-    from specserve.spec import _chunk_tree_mask
-    from specserve.tree import DraftTree
-
-    tree = DraftTree(tokens=[1, 2, 3], parents=[-1, -1, 0], is_sampled=[False] * 3)
-    assert _chunk_tree_mask(1, tree.verify_mask()) == tree.verify_mask()
-    T, F = True, False
-    # Three chunk rows (causal; the last is the root), then nodes 0 and 1 (children of the
-    # root) and node 2 (under node 0).
-    assert _chunk_tree_mask(3, tree.verify_mask()).tolist() == [
-        [T, F, F, F, F, F],
-        [T, T, F, F, F, F],
-        [T, T, T, F, F, F],
-        [T, T, T, T, F, F],
-        [T, T, T, F, T, F],
-        [T, T, T, T, F, T],
-    ]
-
-
-def test_a_prompt_with_one_token_to_go_reaches_the_prefix_cache(models):
-    """speculate_prompts with max_tokens 1: the prompt's chunk gets no tree (nothing could be
-    emitted after its token), so it is prefilled for the draft too, and a finished request's
-    full blocks go to the prefix cache (the cache keeps blocks both models computed)."""
-    llm = make_llm(models, "weak", depth=3, speculate_prompts=True, enable_prefix_caching=True)
-    prompt = [300 + i for i in range(13)]
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    first = llm.generate([prompt], one)[0]
-    again = llm.generate([prompt], one)[0]
-    assert again.token_ids == first.token_ids
-    assert again.stats.num_cached_tokens == 12   # three full blocks of 4
-    llm.engine.pool.check_all_free()
+    llm, outs, trees = run(0.0)
+    check_stats(llm, outs)
+    assert max(t.num_nodes for t in trees) == 6
+    probs = sorted(p for t in trees for p in t.path_probs)
+    threshold = probs[len(probs) // 2]
+    llm, outs, trees = run(threshold / row)
+    check_stats(llm, outs)
+    assert trees and all(t.is_chain for t in trees)
+    assert all(p > threshold for t in trees for p in t.path_probs)
+    assert any(t.num_nodes < 6 for t in trees) and any(t.num_nodes > 1 for t in trees)
+    llm, outs, trees = run(1e9)
+    assert not trees and llm.engine.spec.totals.num_drafts == 0
