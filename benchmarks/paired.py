@@ -7,7 +7,8 @@ A process keeps a pace of its own on a shared machine, so one engine serves ever
 (switched with `set_speculation`, as /admin/speculation does): a round runs the whole load
 once per setting, the order rotated each round, and the figures are paired by round. The
 adaptive controller keeps its state between its runs, as a long-running server does; static
-runs leave it alone. Each run is a closed loop: `concurrency` sequences at a time (the
+runs leave it alone. Every setting runs the load once before the rounds (a process's first
+pass of a new shape builds what it needs, which a long-running server has done long ago). Each run is a closed loop: `concurrency` sequences at a time (the
 scheduler's max_num_seqs), the next prompt admitted as one finishes. Greedy, EOS ignored.
 
 Printed: tokens/s per setting (mean over rounds), adaptive over each static setting (the mean
@@ -57,8 +58,9 @@ def run_load(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
 def run(llm: LLM, concurrency: int, settings: list[str], rounds: int, prompts: list[list[int]],
         max_tokens: int) -> dict:
     llm.engine.scheduler.config.max_num_seqs = concurrency
-    _set(llm, "adaptive")
-    run_load(llm, prompts[:concurrency], max_tokens)   # warm-up: the first run of a load is slower
+    for s in settings:   # warm-up: a setting's first run builds what its shapes need (oneDNN primitives)
+        _set(llm, s)
+        run_load(llm, prompts, max_tokens)
     tps: dict[str, list[float]] = {s: [] for s in settings}
     for r in range(rounds):
         for s in settings[r % len(settings):] + settings[:r % len(settings)]:

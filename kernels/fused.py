@@ -1,10 +1,9 @@
 """Fused per-row kernels for the GPU forward: fewer launches per layer.
 
-The first H100 profile (benchmarks/RESULTS.md, "On a GPU") found a batch-1 decode step of an
-8B-shaped target host-bound: 17.9 ms a step for 6.5 ms of GPU work, 558 kernel launches a
-step, about 17 of them elementwise per layer (RMSNorm as four, the residual adds, RoPE as
-five, the q/k copies, SiLU and its product). These kernels do that work in four launches a
-layer:
+A small-batch decode step on a GPU is bound by its kernel launches (benchmarks/RESULTS.md,
+"On a GPU"), about 17 of them elementwise per layer (RMSNorm as four, the residual adds, RoPE
+as five, the q/k copies, SiLU and its product). These kernels do that work in four launches
+a layer:
 
 - `add_rms_norm`: residual += x, then out = w * norm(residual), one program per row;
 - `rope_write_kv`: q and k rotated out of the fused qkv projection's output, k and v written
@@ -14,9 +13,8 @@ layer:
 Each rounds where the torch ops it replaces round (bf16/fp16: the residual sum, the
 normalised row before the weight, each RoPE product, the SiLU before the product), so a
 16-bit model computes what the eager ops compute, up to the float32 reduction order inside
-the norm and, in RoPE, a rare element one rounding away: on the H100 the compiled kernel
-differed there (Triton may contract the two products into an FMA or fold a rounding), by no
-more than one rounding of each product. Every program reads one row, so a row's result does
+the norm and, in RoPE, a rare element one rounding away (Triton may contract the two
+products into an FMA or fold a rounding), by no more than one rounding of each product. Every program reads one row, so a row's result does
 not depend on the batch, which is what keeps greedy speculation exact.
 On the CPU the model keeps its torch ops (kernels/ops.py dispatches).
 """

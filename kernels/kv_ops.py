@@ -65,13 +65,14 @@ def write_kv(
 
 
 @triton.jit(do_not_specialize=["M"])   # the slot count changes every step
-def _gather_rows_kernel(
+def _move_rows_kernel(
     cache_ptrs,  # [C] int64 addresses of the caches of one group (same dtype and ROW)
     slots_ptr,  # [M] int64
     tmp_ptr,  # [C, M, ROW]
     M,
     ROW: tl.constexpr,
     BLOCK: tl.constexpr,
+    TO_CACHE: tl.constexpr,  # False: cache rows -> tmp (gather); True: tmp -> cache rows (scatter)
 ):
     m = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
@@ -79,27 +80,12 @@ def _gather_rows_kernel(
     slot = tl.load(slots_ptr + m)
     for start in tl.static_range(0, ROW, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        vals = tl.load(cache + slot * ROW + offs, mask=offs < ROW)
-        tl.store(tmp_ptr + (c * M + m) * ROW + offs, vals, mask=offs < ROW)
-
-
-@triton.jit(do_not_specialize=["M"])   # the slot count changes every step
-def _scatter_rows_kernel(
-    cache_ptrs,  # [C] int64
-    slots_ptr,  # [M] int64
-    tmp_ptr,  # [C, M, ROW]
-    M,
-    ROW: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    m = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    cache = tl.load(cache_ptrs + c).to(tl.pointer_type(tmp_ptr.dtype.element_ty))
-    slot = tl.load(slots_ptr + m)
-    for start in tl.static_range(0, ROW, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        vals = tl.load(tmp_ptr + (c * M + m) * ROW + offs, mask=offs < ROW)
-        tl.store(cache + slot * ROW + offs, vals, mask=offs < ROW)
+        if TO_CACHE:
+            vals = tl.load(tmp_ptr + (c * M + m) * ROW + offs, mask=offs < ROW)
+            tl.store(cache + slot * ROW + offs, vals, mask=offs < ROW)
+        else:
+            vals = tl.load(cache + slot * ROW + offs, mask=offs < ROW)
+            tl.store(tmp_ptr + (c * M + m) * ROW + offs, vals, mask=offs < ROW)
 
 
 # (device, dtype, data_ptrs) -> device tensor of the addresses; the caches live as long as
@@ -150,5 +136,5 @@ def copy_slots(
         table = _pointer_table(group)
         tmp = torch.empty(len(group), num_slots, row, dtype=dtype, device=src.device)
         grid = (num_slots, len(group))
-        _gather_rows_kernel[grid](table, src, tmp, num_slots, ROW=row, BLOCK=_row_block(row))
-        _scatter_rows_kernel[grid](table, dst, tmp, num_slots, ROW=row, BLOCK=_row_block(row))
+        _move_rows_kernel[grid](table, src, tmp, num_slots, ROW=row, BLOCK=_row_block(row), TO_CACHE=False)
+        _move_rows_kernel[grid](table, dst, tmp, num_slots, ROW=row, BLOCK=_row_block(row), TO_CACHE=True)

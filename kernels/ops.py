@@ -50,8 +50,8 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) 
         from specserve.kernels import paged_attention as pa
 
         # The op-by-op forward splits q out of the joint RoPE tensor (a strided view, which the
-        # torch reference reads as it is); the kernel wants rows it can index densely. The
-        # first H100 run failed on exactly this (tests/kernels/test_engine_on_kernels.py).
+        # torch reference reads as it is); the kernel wants rows it can index densely
+        # (tests/kernels/test_engine_on_kernels.py).
         return pa.paged_attention(q.contiguous(), k_cache, v_cache, meta, scale)
     return reference.paged_attention(q, k_cache, v_cache, meta, scale)
 

@@ -62,12 +62,8 @@ def paged_attention(
     looped = range(num_seqs)
     if num_seqs > 2 and q.dtype != torch.float64:
         # A mixed batch: sequences with the same few query rows (the decoding ones beside a
-        # prompt chunk, or chains verified at one depth beside one cut short near its
-        # max_tokens) still go through one batched attention per row count; only the rest
-        # loop. Looped one by one, every step that also prefilled (and every verify step with
-        # one tree cut) paid the loop for all of them: on the dev CPU at 16-64 sequences of 170
-        # tokens, one sequence two rows short made a pass 1.15-1.35x the uniform one
-        # (benchmarks/bench_mixed_pass.py).
+        # prompt chunk, chains of one length beside others) still go through one batched
+        # attention per row count; only the rest loop one by one.
         grouping = meta.scratch.get("row_groups")   # the same in every layer
         if grouping is None:
             groups: dict[int, list[int]] = {}
@@ -98,8 +94,8 @@ def paged_attention(
             k, v = k.to(q.dtype), v.to(q.dtype)
         if q_len == 1 and q.dtype != torch.float64:
             # Decode: one query sees every key, so no mask. The query heads of one KV head form
-            # a [group, D] block, so two small matmuls do it without repeating K/V (on the CPU
-            # ~2x faster than SDPA at these sizes). float64 keeps the explicit path below.
+            # a [group, D] block, so two small matmuls do it without repeating K/V (cheaper than
+            # SDPA at these sizes). float64 keeps the explicit path below.
             qg = q[start].view(num_kv_heads, group, -1)  # [Hkv, G, D]
             probs = torch.softmax(torch.bmm(qg, k.permute(1, 2, 0)) * scale, dim=-1)  # [Hkv, G, S]
             out[start] = torch.bmm(probs, v.transpose(0, 1)).view(num_q_heads, -1)
@@ -147,9 +143,7 @@ def paged_attention(
 
 
 # Query rows per sequence that the CPU's SDPA runs faster padded to more: its flash kernel
-# costs more at three rows than at four (the embedded target's heads, 32 sequences of 176
-# keys, one thread: 0.41, 0.65, 1.09, 0.74, 1.05, 1.07 ms at 1-6 rows; three padded to four
-# 0.75 ms; padding 1-2 rows to 4 or 5-6 to 8 gained nothing). Rows are independent in
+# costs more at three rows than at four (benchmarks/RESULTS.md). Rows are independent in
 # attention, so the padded rows' results are dropped and the others are unchanged.
 _CPU_SDPA_PADDED_ROWS = {3: 4}
 

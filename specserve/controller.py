@@ -20,8 +20,7 @@ out at every batch size, and where rows are dear every chain stops at 0: plain d
 Acceptance p_ij is the product of per-position conditional rates, per request (decayed counts
 shrunk toward a global estimate per request kind). When the draft's path probabilities prove
 calibrated (accepted nodes / summed path probabilities within `calibration_band`), chains are
-cut while drafting instead: a node goes on while R q_ij > G dt_row (q the draft's path
-probability, R the measured ratio), and a level runs while sum_i (R q_i - G dt_row) > G t_level.
+cut while drafting by the same rule on the draft's own numbers (`EarlyStop`).
 
 Costs come from a `CapacityCurve`: seeded by a probe or a cached profile (profile.py) and
 learned online from the steps the engine serves.
@@ -102,13 +101,16 @@ class CapacityCurve:
     sequence (r = 1 .. max_rows), one draft level, and the rest of the step (scheduling,
     acceptance, outputs, the server's share of the process).
 
-    verify(b, r) = level[b] * shape[b][r]: the level follows how fast the machine is now and
-    moves fast; the shape, what more rows cost, moves slowly. Both are kept per batch bucket
-    (powers of two), interpolated linearly in B and in r, and the shape is kept non-decreasing
-    in r (more rows never cost less)."""
+    verify(b, r, ctx) = level[b] * (shape[b][r] + (ctx - context) * context_s[b](r)): the shape
+    is what rows cost at the probe's `context` tokens a sequence, the context term what every
+    further cached token adds (attention reads all of them, for every row: measured at 1 and
+    at max_rows rows, linear between); the level follows how fast the machine is now and moves
+    fast, the shape moves slowly. All are kept per batch bucket (powers of two), interpolated
+    linearly in B and in r, and the shape is kept non-decreasing in r."""
 
     def __init__(self, buckets: list[int], verify: list[list[float]], level: list[float],
-                 rest: list[float] | None = None):
+                 rest: list[float] | None = None, context: float = 0.0,
+                 context_s: list[list[float]] | None = None):
         assert len(verify) == len(buckets) == len(level) and buckets == sorted(buckets)
         self.buckets = list(buckets)
         self.max_rows = len(verify[0])
@@ -117,27 +119,35 @@ class CapacityCurve:
         self.draft = list(level)
         self.rest = list(rest) if rest is not None else [0.0] * len(buckets)
         self.num_rest = [0 if rest is None else 1] * len(buckets)   # rest: a running mean until 1/alpha steps
+        self.context = context
+        self.context_s = [list(x) for x in context_s] if context_s else [[0.0, 0.0] for _ in buckets]
 
     def _corners(self, batch_size: int) -> list[tuple[int, float]]:
         i, w = _interp(self.buckets, batch_size)
         return [(i, 1.0 - w), (i + 1, w)] if w > 0.0 else [(i, 1.0)]
 
-    def verify_s(self, batch_size: int, rows: float) -> float:
-        """Seconds of a verify pass of `rows` rows in all over `batch_size` sequences."""
-        r = rows / batch_size
-        total = 0.0
-        for b, wb in self._corners(batch_size):
-            j, wr = _interp(range(1, self.max_rows + 1), min(r, self.max_rows))
-            shape = self.shape[b]
-            s = shape[j] if wr == 0.0 else (1 - wr) * shape[j] + wr * shape[j + 1]
-            if r > self.max_rows:   # beyond the table: the last segment's slope
-                s += (r - self.max_rows) * max(0.0, shape[-1] - shape[-2] if len(shape) > 1 else 0.0)
-            total += wb * self.level[b] * s
-        return total
+    def _base(self, b: int, r: float, ctx: float | None) -> float:
+        """Bucket b's verify pass at r rows a sequence and ctx cached tokens, at level 1."""
+        shape = self.shape[b]
+        j, wr = _interp(range(1, self.max_rows + 1), min(r, self.max_rows))
+        s = shape[j] if wr == 0.0 else (1 - wr) * shape[j] + wr * shape[j + 1]
+        if r > self.max_rows:   # beyond the table: the last segment's slope
+            s += (r - self.max_rows) * max(0.0, shape[-1] - shape[-2] if len(shape) > 1 else 0.0)
+        if ctx is not None:
+            one, full = self.context_s[b]
+            w = (min(r, self.max_rows) - 1) / max(self.max_rows - 1, 1)
+            s = max(0.5 * s, s + (ctx - self.context) * ((1 - w) * one + w * full))
+        return s
 
-    def verify_row(self, batch_size: int) -> list[float]:
+    def verify_s(self, batch_size: int, rows: float, context: float | None = None) -> float:
+        """Seconds of a verify pass of `rows` rows in all over `batch_size` sequences that hold
+        `context` cached tokens each on average (None: the probe's)."""
+        r = rows / batch_size
+        return sum(wb * self.level[b] * self._base(b, r, context) for b, wb in self._corners(batch_size))
+
+    def verify_row(self, batch_size: int, context: float | None = None) -> list[float]:
         """verify_s at r = 1 .. max_rows rows per sequence."""
-        return [self.verify_s(batch_size, batch_size * r) for r in range(1, self.max_rows + 1)]
+        return [self.verify_s(batch_size, batch_size * r, context) for r in range(1, self.max_rows + 1)]
 
     def level_s(self, batch_size: int) -> float:
         return sum(w * self.draft[b] for b, w in self._corners(batch_size))
@@ -146,10 +156,10 @@ class CapacityCurve:
         return sum(w * self.rest[b] for b, w in self._corners(batch_size))
 
     def observe(self, batch_size: int, rows: int, verify_s: float, levels: int, draft_s: float,
-                rest_s: float | None, cfg: ControllerConfig) -> None:
+                rest_s: float | None, cfg: ControllerConfig, context: float | None = None) -> None:
         """One step's measured seconds (draft_s over `levels` levels; rest_s None: not measured)."""
         corners = self._corners(batch_size)
-        ratio = verify_s / max(self.verify_s(batch_size, rows), 1e-12)
+        ratio = verify_s / max(self.verify_s(batch_size, rows, context), 1e-12)
         if 0.0 < ratio < math.inf:
             r = min(rows / batch_size, self.max_rows)
             j, wr = _interp(range(1, self.max_rows + 1), r)
@@ -171,7 +181,8 @@ class CapacityCurve:
     def to_dict(self) -> dict:
         return {"buckets": self.buckets,
                 "verify_s": [[lv * s for s in row] for lv, row in zip(self.level, self.shape)],
-                "level_s": self.draft, "rest_s": self.rest}
+                "level_s": self.draft, "rest_s": self.rest, "context": self.context,
+                "context_s": [[lv * s for s in x] for lv, x in zip(self.level, self.context_s)]}
 
 
 def _monotone(xs: list[float]) -> list[float]:
@@ -280,15 +291,16 @@ class AdaptiveController:
             return None
         return accepted / predicted
 
-    def plan(self, seqs: Sequence[tuple[Hashable, int, bool]]) -> Plan:
-        """seqs: (request id, most nodes it can still use, sampled?) of every decoding sequence."""
+    def plan(self, seqs: Sequence[tuple[Hashable, int, bool]], context: float | None = None) -> Plan:
+        """seqs: (request id, most nodes it can still use, sampled?) of every decoding sequence;
+        context: their cached tokens, on average."""
         self.num_steps += 1
         B = len(seqs)
         if B == 0:
             return Plan()
         cfg, curve = self.cfg, self.curve
         rest, level = curve.rest_s(B), curve.level_s(B)
-        verify = curve.verify_row(B)                 # seconds at r = 1 .. max_rows rows a sequence
+        verify = curve.verify_row(B, context)        # seconds at r = 1 .. max_rows rows a sequence
         cum = []                                     # per sequence: p_i1 .. p_i,cap
         for rid, cap, sampled in seqs:
             p, ps = 1.0, []
@@ -357,12 +369,12 @@ class AdaptiveController:
 
     def observe(self, batch_size: int, rows: int, levels: int, draft_s: float, verify_s: float,
                 rest_s: float | None, chains: Sequence[tuple[Hashable, bool, int, int, Sequence[float]]],
-                timed: bool = True) -> None:
+                timed: bool = True, context: float | None = None) -> None:
         """A step's outcome. chains: (request id, sampled?, nodes, accepted, path probabilities)
         per verified sequence (trees: nodes = the tree's depth). timed=False: the seconds do not
         describe a decode step (it also prefilled); only acceptance is learned."""
         if timed and batch_size > 0:
-            self.curve.observe(batch_size, rows, verify_s, levels, draft_s, rest_s, self.cfg)
+            self.curve.observe(batch_size, rows, verify_s, levels, draft_s, rest_s, self.cfg, context)
         keep = 1.0 - self.cfg.calibration_alpha
         for rid, sampled, num_nodes, num_accepted, qs in chains:
             self.acceptance.observe(rid, sampled, num_nodes, num_accepted, self.num_steps)

@@ -5,12 +5,9 @@ attention, the MLP's intermediate rows, the logits). glibc serves a block above 
 threshold (128 KiB at start) with a fresh mmap and returns it with munmap on free, so every such
 tensor costs a page fault per 4 KiB page each time it is allocated; the threshold only rises
 (up to 32 MiB) as big blocks happen to be freed, and the heap above ``M_TRIM_THRESHOLD`` is
-handed back to the kernel and faulted in again later. On the dev VM (a 2-core AMD EPYC under
-firecracker, where a fault costs microseconds) this made the same pass of the embedded target
-over 32 sequences of 256 tokens take 80-115 ms in a fresh process and 17-21 ms once the process
-had run bigger passes (sixth session): a process's speed depended on its allocation history, and
-the controller's start-up calibration measured the slow regime at whichever batch sizes came
-first.
+handed back to the kernel and faulted in again later. A process's speed then depends on its
+allocation history: a fresh one runs the same pass several times slower than one that has
+already run bigger ones (benchmarks/RESULTS.md).
 
 ``keep_large_allocations_on_heap`` fixes the thresholds for the whole process (the same call
 PyTorch's CPU tuning guides make through jemalloc or tcmalloc, here without a new library):

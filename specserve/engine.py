@@ -22,7 +22,7 @@ from specserve.errors import InvalidRequestError, ModelLoadError
 from specserve.kv_pool import KVPool, blocks_needed
 from specserve.model.loader import load_eos_token_ids, load_model, load_tokenizer
 from specserve.request import Request, RequestStats
-from specserve.runner import CpuThreads, ForwardInput, ModelRunner, slots_for
+from specserve.runner import CpuThreads, ModelRunner
 from specserve.sampling import SamplingParams, make_generator
 from specserve.scheduler import Scheduler, SchedulerOutput
 from specserve.spec import make_speculator

@@ -1,8 +1,7 @@
 """CUDA graphs for the uniform forwards: decode steps, chain verify passes, draft levels.
 
-The first H100 profile (benchmarks/RESULTS.md, "On a GPU") found a batch-1 step of an
-8B-shaped target host-bound: 17.9 ms for 6.5 ms of GPU work, most of the rest the launching
-of some 560 kernels. A captured graph replays them all in one launch.
+At small batches a step is bound by the host launching hundreds of kernels, not by the GPU's
+work (benchmarks/RESULTS.md, "On a GPU"); a captured graph replays them all in one launch.
 
 A forward qualifies when every sequence has the same number of rows q, no tree mask, and
 some row's logits are wanted (a decode step: q = 1; a chain verify pass: q = depth + 1; a

@@ -73,7 +73,8 @@ def load(key: dict) -> CapacityCurve | None:
         if data["key"] != key:
             raise ValueError("written for another setup")
         c = data["curve"]
-        curve = CapacityCurve(c["buckets"], c["verify_s"], c["level_s"], c.get("rest_s"))
+        curve = CapacityCurve(c["buckets"], c["verify_s"], c["level_s"], c.get("rest_s"), c["context"],
+                              c["context_s"])
         if curve.max_rows != key["max_rows"] or curve.buckets != key["buckets"]:
             raise ValueError("its table has another shape")
         if not all(x > 0 for row in c["verify_s"] for x in row):
@@ -94,10 +95,11 @@ def save(key: dict, curve: CapacityCurve) -> Path:
 
 
 def probe(engine, buckets: list[int], max_rows: int, thorough: bool = False,
-          context: int = 32) -> CapacityCurve:
-    """Time the target at `buckets` x rows per sequence and the draft at one row per sequence.
-    Quick: rows 1, 2, 3, 5, 9, max_rows (the rest interpolated), the least of 2 runs after a
-    warm-up; thorough: every row count, the least of 5."""
+          context: int = 32, longer: int = 256) -> CapacityCurve:
+    """Time the target at `buckets` x rows per sequence and the draft at one row per sequence,
+    all at `context` cached tokens a sequence; and the target at 1 and max_rows rows at `longer`
+    tokens, for what a cached token adds. Quick: rows 1, 2, 3, 5, 9, max_rows (the rest
+    interpolated), the least of 2 runs after a warm-up; thorough: every row count, the least of 5."""
     rows = range(1, max_rows + 1) if thorough else sorted({r for r in (1, 2, 3, 5, 9) if r <= max_rows} | {max_rows})
     repeats = 5 if thorough else 2
     budget = engine.config.scheduler.max_num_batched_tokens
@@ -105,13 +107,14 @@ def probe(engine, buckets: list[int], max_rows: int, thorough: bool = False,
     strewn = list(range(num_blocks))
     random.Random(0).shuffle(strewn)   # a served batch's blocks lie all over the pool
 
-    def dummy(batch: int, r: int) -> ForwardInput:
-        per_seq = -(-(context + r) // block_size)
+    longer = min(longer, engine.max_model_len - max_rows)
+
+    def dummy(batch: int, r: int, ctx: int = context) -> ForwardInput:
+        per_seq = -(-(ctx + r) // block_size)
         inp = ForwardInput()
         for i in range(batch):
             table = [strewn[(i * per_seq + j) % num_blocks] for j in range(per_seq)]
-            inp.add([0] * r, list(range(context, context + r)), [-1] * r, table, context + r,
-                    logit_rows=list(range(r)))
+            inp.add([0] * r, list(range(ctx, ctx + r)), [-1] * r, table, ctx + r, logit_rows=list(range(r)))
         return inp
 
     def seconds(runner, inp: ForwardInput) -> float:
@@ -124,13 +127,19 @@ def probe(engine, buckets: list[int], max_rows: int, thorough: bool = False,
         return best
 
     started = time.perf_counter()
-    verify, level = [], []
+    verify, level, per_token = [], [], []
     for b in buckets:
         measured = {r: seconds(engine.target, dummy(b, r)) for r in rows if b * r <= budget}
         verify.append(_fill(measured, max_rows))
         level.append(seconds(engine.draft, dummy(b, 1)) if engine.draft is not None else 1e-5)
+        slopes = []
+        for r in (1, max_rows):
+            r = r if r in measured else max(measured)
+            far = seconds(engine.target, dummy(b, r, longer)) if longer > context else measured[r]
+            slopes.append(max(0.0, (far - measured[r]) / max(longer - context, 1)))
+        per_token.append(slopes)
     logger.info("controller: probed step costs at batch sizes %s in %.1f s", buckets, time.perf_counter() - started)
-    return CapacityCurve(buckets, verify, level)
+    return CapacityCurve(buckets, verify, level, context=context, context_s=per_token)
 
 
 def _fill(measured: dict[int, float], max_rows: int) -> list[float]:

@@ -147,9 +147,11 @@ class Speculator:
         # Nodes a request can still use: the drafters stop one short of max_tokens (the step's
         # bonus token is the last), the scheduler at the context's end.
         room = self.engine.max_model_len
-        caps = [(r, max(0, min(r.num_tokens_left - 1, room - r.num_tokens))) for r in running]
+        decoding = [r for r in running if r.num_computed_tokens >= r.num_tokens - 1]   # not mid-prompt
+        caps = [(r, max(0, min(r.num_tokens_left - 1, room - r.num_tokens))) for r in decoding]
         if self.controller is not None:
-            plan = self.controller.plan([(r.request_id, cap, not r.params.is_greedy) for r, cap in caps])
+            context = sum(r.num_computed_tokens for r in decoding) / max(len(decoding), 1)
+            plan = self.controller.plan([(r.request_id, cap, not r.params.is_greedy) for r, cap in caps], context)
         else:
             d = min(self.static_depth, self.max_depth())
             plan = Plan(depth=d, nodes={r.request_id: self.nodes_at(min(d, cap)) for r, cap in caps if d and cap})
@@ -169,6 +171,8 @@ class Speculator:
             self._observed = None
             return {}
         engine, block_size = self.engine, self.engine.pool.block_size
+        decoding = [s.request.num_computed_tokens for s in batch.seqs if not s.is_prefill]
+        context = sum(decoding) / max(len(decoding), 1)   # cached tokens a decoding sequence, before the step
         t0 = time.perf_counter()
         # Propose: a tree per sequence given nodes. The draft's first forward also catches it up
         # on what it has not seen: this step's prompt chunks, the last step's accepted tokens.
@@ -202,43 +206,42 @@ class Speculator:
         logits = engine.target.forward(inp)
         new_tokens = self._accept(logits, verified) if verified else {}
         t2 = time.perf_counter()
-        self._observed = (batch, verified, new_tokens, t1 - t0, t2 - t1, backlog <= plan.depth + 1)
+        self._observed = (batch, verified, new_tokens, t1 - t0, t2 - t1, backlog <= plan.depth + 1, context)
         return new_tokens
 
     def _accept(self, logits: torch.Tensor, verified: list[_Verified]) -> dict[str, list[int]]:
         """The sampler: tree_accept over every decoding sequence. Its inputs are built first:
         each sequence's logit rows, the target's distribution (after min_tokens, temperature,
         top-k, top-p), the trees, the draft's distributions and the uniforms."""
-        engine = self.engine
         dev = logits.device
         num_seqs = len(verified)
         max_nodes = max(v.tree.num_nodes for v in verified)
         requests = [v.seq.request for v in verified]
-        if max_nodes == 0 and len(logits) == num_seqs:
-            rows = logits                                 # plain decoding: a row a sequence
-        else:
-            index = [min(v.first_row + j, v.first_row + v.tree.num_nodes)
-                     for v in verified for j in range(max_nodes + 1)]   # padding repeats the last row
-            rows = logits[torch.tensor(index, device=dev)]
         masked, banned = [], []   # min_tokens: a row j nodes deep comes depth(j) tokens after the last
-        for i, v in enumerate(verified):
+        for v in verified:
             req = v.seq.request
             if req.params.min_tokens:
                 for j, depth in enumerate([0] + v.tree.depths):
                     if req.num_output_tokens + depth < req.params.min_tokens:
-                        masked.append(i * (max_nodes + 1) + j)
+                        masked.append(v.first_row + j)
                         banned.append(sorted(req.stop_token_ids | (set() if req.params.ignore_eos
                                                                    else req.eos_token_ids)))
-        mask_tokens(rows, masked, banned)
-        target_argmax = rows.argmax(dim=-1).view(num_seqs, max_nodes + 1)
+        mask_tokens(logits, masked, banned)
+        # Row j of sequence i in a [B, N + 1] layout; a shorter tree's padding repeats its last row.
+        index = None
+        if max_nodes or len(logits) != num_seqs:
+            index = torch.tensor([v.first_row + min(j, v.tree.num_nodes) for v in verified
+                                  for j in range(max_nodes + 1)], device=dev)
+        argmax = logits.argmax(dim=-1)
+        target_argmax = (argmax if index is None else argmax[index]).view(num_seqs, max_nodes + 1)
         tensors = SamplingTensors.from_params([r.params for r in requests], dev)
-        vocab = 1 if tensors.all_greedy else rows.shape[1]   # greedy reads only the argmax
+        vocab = 1 if tensors.all_greedy else logits.shape[1]   # greedy reads only the argmax
         if tensors.all_greedy:
             probs = torch.zeros(num_seqs, max_nodes + 1, 1, device=dev)
         else:
             per_row = lambda t: t.repeat_interleave(max_nodes + 1)  # noqa: E731
-            probs = target_probs(rows, per_row(tensors.temperature), per_row(tensors.top_k),
-                                 per_row(tensors.top_p), tensors.any_restricted)
+            probs = target_probs(logits if index is None else logits[index], per_row(tensors.temperature),
+                                 per_row(tensors.top_k), per_row(tensors.top_p), tensors.any_restricted)
             probs = probs.float().view(num_seqs, max_nodes + 1, vocab)
 
         width = max(max_nodes, 1)   # the kernel wants a node column even when no tree has one
@@ -346,7 +349,7 @@ class Speculator:
         self._finished.clear()
 
     def _learn(self, controller: AdaptiveController, observed: tuple, step_s: float) -> None:
-        batch, verified, new_tokens, draft_s, verify_s, typical = observed
+        batch, verified, new_tokens, draft_s, verify_s, typical, context = observed
         decoding = [v for v in verified if v.seq.num_new_tokens == 1]
         chains = [(v.seq.request.request_id, not v.seq.request.params.is_greedy,
                    v.tree.num_nodes if self.tree_kind == "chain" else v.tree.max_depth,
@@ -355,7 +358,7 @@ class Speculator:
         levels = self.drafter.levels_run
         timed = len(decoding) == len(batch.seqs) and typical
         controller.observe(len(decoding), sum(1 + v.tree.num_nodes for v in decoding), levels, draft_s,
-                           verify_s, step_s - draft_s - verify_s, chains, timed=timed)
+                           verify_s, step_s - draft_s - verify_s, chains, timed=timed, context=context)
 
     def forget(self, request: Request) -> None:
         """The request finished or was aborted: its draft state goes now, its acceptance

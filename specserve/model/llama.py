@@ -189,21 +189,14 @@ def onednn_linear_available() -> bool:
     return hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-# Batch size oneDNN is told to pack for. On the dev CPU a weight packed for 8 rows is the
-# fastest of those tried at every row count from 1 to 256 (packed for 1 row: 1.1-1.6x slower).
+# Batch size oneDNN is told to pack for (the fastest choice over 1-256 rows: RESULTS.md).
 _ONEDNN_PACK_ROWS = 8
 
 
 # oneDNN primitives a process keeps (its LRU cache; oneDNN's default holds 1024). A packed linear
-# is a primitive per row count: the target's five weight shapes at each number of rows a pass
-# runs (sequences x rows each, prompt chunks beside them). Creating one costs ~1 ms on the dev
-# CPU (its JIT kernels, 0.55 MiB of memory each, whatever the shape), a pass of ~60 ms at 32
-# sequences 5 ms when its row count is new. With 1024, one load of 32 requests already cycles
-# through more (252 row counts in a sweep cell: 1260 primitives), so the server kept evicting
-# and rebuilding them, and most for the setting whose row counts vary the most: in one server
-# at 32 requests the adaptive controller's depth-3 passes ran 4-5% slower than static depth 3's
-# at the same batch, rows and contexts (benchmarks/RESULTS.md, fifty-first session); with 4096
-# they ran alike. Memory: up to 0.55 MiB x this, only as the cache fills.
+# builds a primitive per row count it meets (about 1 ms and half a MiB each): five weight shapes
+# at every row count a server's passes run exceed 1024 within one load, and evicting them makes
+# the passes whose row counts vary the most (per-request speculation) the dearest.
 ONEDNN_PRIMITIVE_CACHE = 4096
 ONEDNN_DEFAULT_PRIMITIVE_CACHE = 1024   # what oneDNN keeps when the variable is unset or not a number
 
@@ -249,9 +242,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim] -> [..., dim]
         if x.dtype in (torch.float32, torch.float64):  # in the input's precision
             # x * rsqrt(mean(x^2) + eps) * w, the mean taken as |x|^2 / dim and the scalar
-            # steps done in place on the [..., 1] column: on the CPU this is 0.82x F.rms_norm's
-            # time in the embedded draft's one-row forward (0.93x in the target's), same result
-            # up to rounding.
+            # steps done in place on the [..., 1] column (fewer ops than F.rms_norm; the same
+            # result up to rounding).
             inv = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().mul_(1.0 / x.shape[-1])
             return torch.mul(x, inv.add_(self.eps).rsqrt_()).mul_(self.weight)
         # 16-bit: normalise in float32, scale in the model dtype (as the HF models do)
@@ -399,10 +391,9 @@ class CausalLM(nn.Module):
 
     def keep_transposed_weights(self) -> int:
         """Give every linear layer a transposed view of its weight, so that `linear` is one
-        torch.mm (the same cuBLAS call F.linear ends in) instead of four dispatched ops: in
-        the H100 profile of a host-bound batch-1 step, linear/matmul/t around the mm took
-        about 7% of the host's time. A view, no copy: call this again if a weight is replaced
-        (nothing does after loading).
+        torch.mm (the same cuBLAS call F.linear ends in) instead of four dispatched ops, which
+        count where a step is host-bound. A view, no copy: call this again if a weight is
+        replaced (nothing does after loading).
         Returns the number of layers given one."""
         count = 0
         for module in self.modules():
@@ -416,12 +407,9 @@ class CausalLM(nn.Module):
 
     def pack_for_onednn(self, min_layer_bytes: int = 0) -> int:
         """On the CPU in float32: run the linear layers of at least `min_layer_bytes` through
-        oneDNN, each weight packed once here. Where weights stream from memory this is much
-        faster than torch's default (MKL sgemm under F.linear): on the dev CPU the embedded
-        target's one-row forward takes 0.74x the time, eight rows 0.68x. A oneDNN call costs
-        more than an MKL one, though, so small layers that stay in the CPU's caches lose: the
-        embedded draft's one-row forward is 1.3x slower fully packed, yet its 2 MB LM head
-        alone packed makes a depth-7 step faster (benchmarks/RESULTS.md). oneDNN also gives
+        oneDNN, each weight packed once here. Where weights stream from memory this is faster
+        than torch's default (MKL sgemm under F.linear); a oneDNN call costs more, so small
+        layers that stay in the CPU's caches lose (benchmarks/RESULTS.md). oneDNN also gives
         each row the same bits whatever the batch, which MKL does not. Returns the number of
         layers packed: 0 (and nothing changed) where it does not apply, on another device or
         dtype, or with a torch without oneDNN."""

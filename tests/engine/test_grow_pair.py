@@ -1,4 +1,4 @@
-"""benchmarks/grow_pair.py: a grown checkpoint has the new shapes and computes what the
+"""benchmarks/pair.py grow: a grown checkpoint has the new shapes and computes what the
 embedded pair computes (through transformers, the reference of the HF layout, and through
 our own engine), and a shape that cannot hold the original is refused by name."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import grow_pair
+from benchmarks import pair as grow_pair
 from specserve import LLM, SamplingParams
 
 # head_dim 32 -> 64, GQA ratio 2 -> 4, 10 -> 13 layers (new layers between the old ones).

@@ -477,10 +477,10 @@ def test_a_step_costs_from_the_end_of_the_one_before(models):
     engine, seen = llm.engine, []
     observe = engine.spec.controller.observe
 
-    def record(batch_size, rows, levels, draft_s, verify_s, rest_s, chains, timed=True):
+    def record(batch_size, rows, levels, draft_s, verify_s, rest_s, chains, timed=True, context=None):
         if timed and batch_size:
             seen.append(rest_s)
-        observe(batch_size, rows, levels, draft_s, verify_s, rest_s, chains, timed)
+        observe(batch_size, rows, levels, draft_s, verify_s, rest_s, chains, timed, context)
     engine.spec.controller.observe = record
     for p in PROMPTS:
         engine.add_request(None, p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
@@ -505,7 +505,7 @@ def test_finished_and_aborted_requests_leave_no_history_in_the_controller(models
     llm = make_llm(models, "weak", spec_mode="adaptive")
     ctrl = llm.engine.spec.controller
     plan = ctrl.plan
-    ctrl.plan = lambda seqs: Plan(4, {rid: min(4, cap) for rid, cap, _ in seqs if cap})  # speculate every step
+    ctrl.plan = lambda seqs, context=None: Plan(4, {rid: min(4, cap) for rid, cap, _ in seqs if cap})  # every step
     stop = reference[2][5]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 7, MAX_TOKENS)]
     params.append(SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]))
@@ -531,7 +531,7 @@ def test_finished_and_aborted_requests_leave_no_history_in_the_controller(models
 def test_the_controller_learns_sampled_and_greedy_acceptance_apart(models):
     llm = make_llm(models, "weak", spec_mode="adaptive")
     ctrl = llm.engine.spec.controller
-    ctrl.plan = lambda seqs: Plan(3, {rid: min(3, cap) for rid, cap, _ in seqs if cap})
+    ctrl.plan = lambda seqs, context=None: Plan(3, {rid: min(3, cap) for rid, cap, _ in seqs if cap})
     initial = ctrl.cfg.initial_acceptance
     llm.generate(PROMPTS, GREEDY)
     assert ctrl.acceptance.glob[False][0] != initial and ctrl.acceptance.glob[True][0] == initial
@@ -566,7 +566,7 @@ def test_early_stop_cuts_chains_by_their_path_probability(models, reference):
     def run(goodput):
         llm = make_llm(models, "weak", depth=6, spec_mode="adaptive")
 
-        def plan(seqs):
+        def plan(seqs, context=None):
             nodes = {rid: min(6, cap) for rid, cap, _ in seqs if cap}
             return Plan(max(nodes.values(), default=0), nodes, EarlyStop(
                 goodput, 1.0, 0.8, 0.0, [0.05 + row * len(seqs) * r for r in range(10)], len(seqs),

@@ -1,10 +1,14 @@
-"""Grow the embedded pair to a real model's shapes, keeping what it computes.
+"""A large pair for the GPU: the embedded pair grown to a real model's shapes, and its speed
+and exactness under each speculation setting.
 
-No larger checkpoints can be downloaded here (no model hub), and a random-init pair accepts
-nothing, so a GPU sweep of random models says nothing about speculation. This script builds
-a pair with a large model's shapes and costs (hidden size, heads, head_dim, layers, MLP
-width) whose outputs are those of the embedded pair, so its acceptance is the embedded
-pair's and its step times are a large model's:
+    python -m benchmarks.pair grow --shape llama3-8b --src embedded:tiny-target --out build/grown/target
+    python -m benchmarks.pair grow --shape llama3.2-1b --src embedded:tiny-draft --out build/grown/draft
+    python -m benchmarks.pair speed --target build/grown/target --draft build/grown/draft [--batch 1 16 64]
+
+**grow.** No larger checkpoints can be downloaded here, and a random-init pair accepts
+nothing, so this builds a pair with a large model's shapes and costs (hidden size, heads,
+head_dim, layers, MLP width) whose outputs are those of the embedded pair: its acceptance is
+the embedded pair's, its step times a large model's.
 
 - the original hidden dims are a prefix of the new ones; every weight that *writes* into
   the residual stream (embedding columns, o_proj, down_proj) holds the original block and
@@ -20,11 +24,14 @@ pair's and its step times are a large model's:
   g * ratio + j % ratio0;
 - new layers are near identities: random reads, near-zero writes.
 
-    python -m benchmarks.grow_pair --shape llama3-8b --src embedded:tiny-target --out DIR
-    python -m benchmarks.grow_pair --shape llama3.2-1b --src embedded:tiny-draft --out DIR
+The outputs match the original's up to bf16 rounding and the `--tiny` noise (tests check the
+greedy tokens on the CPU with a small growth; `--check` compares logits after a build).
 
-The outputs match the original's up to bf16 rounding and the `--tiny` noise: tests check
-the greedy tokens on the CPU with a small growth; `--check` compares logits after a build.
+**speed.** One engine (one copy of each model) switched between settings with
+`set_speculation`: "static0" is plain decoding, "staticD" a chain of depth D, "adaptive" the
+controller. Greedy, ignore_eos, held-out prompts. Per batch size and setting: decode tokens/s,
+tokens per target pass, and whether the tokens equal static0's token for token. Interleaved
+rounds; the median round is reported.
 """
 
 from __future__ import annotations
@@ -33,10 +40,15 @@ import argparse
 import json
 import math
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.bench_offline import held_out_prompts
+from benchmarks.runinfo import git_commit
+from specserve import LLM, SamplingParams
 
 # Shapes of public models (their config.json values), vocab and context kept from the source.
 SHAPES = {
@@ -216,8 +228,44 @@ def compare(src: str, grown: Path, tokens: torch.Tensor) -> dict:
     return {"positions": la.shape[0], "same_argmax": same, "logits_rel_gap": gap}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def run(llm: LLM, setting: str, prompts, batch: int, max_tokens: int) -> dict:
+    base = setting
+    if base == "adaptive":
+        llm.engine.set_speculation("adaptive")
+    else:
+        llm.engine.set_speculation("static", int(base.removeprefix("static")))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = []
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), batch):
+        outs += llm.generate(prompts[start:start + batch], params)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    passes = sum(o.stats.num_target_passes for o in outs)
+    return dict(tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall, tokens_per_pass=tokens / max(passes, 1),
+                token_ids=[list(o.token_ids) for o in outs])
+
+
+def agreement(runs: list[dict], base: list[list[int]]) -> tuple[int, float]:
+    """How many sequences equal the baseline's in every round, and the mean length of the
+    common prefix (over rounds and sequences)."""
+    same = sum(all(r["token_ids"][i] == seq for r in runs) for i, seq in enumerate(base))
+    prefixes = []
+    for r in runs:
+        for got, want in zip(r["token_ids"], base):
+            n = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            prefixes.append(n)
+    return same, sum(prefixes) / max(len(prefixes), 1)
+
+
+
+def grow_main(argv=None):
+    p = argparse.ArgumentParser(description="grow a checkpoint to a model's shapes", formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--src", required=True, help="a checkpoint directory or embedded:NAME")
     p.add_argument("--shape", required=True, choices=sorted(SHAPES))
     p.add_argument("--out", type=Path, required=True)
@@ -232,6 +280,83 @@ def main(argv=None):
     if args.check:
         torch.manual_seed(0)
         print(compare(args.src, out, torch.randint(5, 4096, (1, 64))), flush=True)
+
+
+
+def speed_main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="each setting's speed and exactness", formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--num-blocks", type=int, default=4096)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--settings", nargs="+", default=["static0", "static1", "static2", "static3", "static4",
+                                                      "static6", "adaptive"])
+    ap.add_argument("--num-prompts", type=int, default=16, help="per batch size: at least the batch")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--cuda-graphs", action="store_true", help="replay uniform forwards from CUDA graphs")
+    args = ap.parse_args(argv)
+    if "static0" not in args.settings:
+        args.settings.insert(0, "static0")
+
+    t0 = time.time()
+    llm = LLM(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device,
+              num_blocks=args.num_blocks, spec_mode="adaptive", cuda_graphs=args.cuda_graphs)
+    print(f"loaded and calibrated in {time.time() - t0:.0f} s on {llm.engine.device}", flush=True)
+    device = (torch.cuda.get_device_name() if llm.engine.device.type == "cuda" else "cpu")
+    # Warm every (batch, setting) once before timing: a Triton kernel compiles a variant at
+    # the first use of a new shape or value class, which would fall inside a short cell.
+    for batch in args.batch:
+        warm = held_out_prompts(batch, 32, llm.tokenizer)
+        for s in args.settings:
+            run(llm, s, warm, batch, 8)
+
+    samples: dict = {}
+    for r in range(args.rounds):
+        for batch in args.batch:
+            prompts = held_out_prompts(max(batch, args.num_prompts), args.prompt_tokens, llm.tokenizer)
+            order = args.settings[r % len(args.settings):] + args.settings[:r % len(args.settings)]
+            for s in order:
+                res = run(llm, s, prompts, batch, args.max_tokens)
+                samples.setdefault((batch, s), []).append(res)
+                print(f"round {r} batch {batch} {s}: {res['tokens_per_s']:.1f} tok/s, "
+                      f"{res['tokens_per_pass']:.2f} tok/pass", flush=True)
+
+    commit = git_commit()
+    print(f"\ndevice: {device}; commit {commit}; dtype {args.dtype}; cuda_graphs {args.cuda_graphs}; {args.num_prompts}+ held-out prompts of <= "
+          f"{args.prompt_tokens} tokens, {args.max_tokens} generated each, greedy; median of {args.rounds} rounds")
+    print("| batch | setting | tokens/s | tokens per target pass | vs static0 | sequences equal to static0's "
+          "(all rounds) | mean tokens before the first difference |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for batch in args.batch:
+        base = sorted(samples[batch, "static0"], key=lambda x: x["tokens_per_s"])[args.rounds // 2]
+        for s in args.settings:
+            runs = samples[batch, s]
+            med = sorted(runs, key=lambda x: x["tokens_per_s"])[args.rounds // 2]
+            same_seqs, prefix = agreement(runs, base["token_ids"])
+            rows.append(dict(batch=batch, setting=s, tokens_per_s=med["tokens_per_s"],
+                             tokens_per_pass=med["tokens_per_pass"], same_sequences=same_seqs,
+                             sequences=len(base["token_ids"]), mean_common_prefix=prefix))
+            print(f"| {batch} | {s} | {med['tokens_per_s']:.1f} | {med['tokens_per_pass']:.2f} | "
+                  f"{med['tokens_per_s'] / base['tokens_per_s']:.2f}x | {same_seqs}/{len(base['token_ids'])} "
+                  f"| {prefix:.1f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=device, commit=commit, args=vars(args), rows=rows), f, indent=2)
+
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"grow": grow_main, "speed": speed_main}
+    if not argv or argv[0] not in commands:
+        sys.exit("usage: python -m benchmarks.pair grow|speed ... (see the module docstring)")
+    commands[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":
