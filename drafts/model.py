@@ -157,14 +157,11 @@ class ModelDrafter:
             tensors = SamplingTensors.from_params(params, logits.device)
             q = target_probs(logits, tensors.temperature, tensors.top_k, tensors.top_p,
                              tensors.any_restricted)  # [R, V]
-        if shape.kind == "chain" and q is None and shape.early_stop is not None:
-            # The argmax and its probability, for the early stop, read off one softmax (one
-            # fused kernel, cheaper than a max and a logsumexp).
+        if shape.kind == "chain" and q is None:
+            # The argmax and its probability (the controller's early stop and its calibration
+            # check read the path probabilities), off one softmax: one fused kernel.
             top, chosen = torch.softmax(logits.float(), dim=-1).max(dim=-1)
             top_p_vals, chosen = top.tolist(), chosen.tolist()
-        elif shape.kind == "chain" and q is None:
-            chosen = logits.argmax(dim=-1).tolist()
-            top_p_vals = [1.0] * len(chosen)  # a chain without early stop needs no path probabilities
         elif shape.kind == "chain":
             gens = [g.req.generator for g, plist in zip(active, parents) for _ in plist]
             chosen = sample(logits, tensors.temperature, tensors.top_k, tensors.top_p, gens, probs=q).tolist()

@@ -219,8 +219,18 @@ class Acceptance:
         self.requests: dict[Hashable, tuple[list[float], list[float], list[int]]] = {}  # hits, trials, [step]
         self.taught: dict[Hashable, list[int]] = {}   # id -> observations it taught, by position
 
+    def _global(self, sampled: bool) -> list[float]:
+        """The global rates; a position never observed takes the rate of the one before it (a
+        fixed prior there would keep plans from ever reaching it, or push them past it)."""
+        g, seen = self.glob[sampled], self.seen[sampled]
+        out = list(g)
+        for k in range(1, len(out)):
+            if not seen[k]:
+                out[k] = out[k - 1]
+        return out
+
     def rates(self, request_id: Hashable, sampled: bool, step: int) -> list[float]:
-        g = self.glob[sampled]
+        g = self._global(sampled)
         own = self.requests.get(request_id)
         if own is None:
             return g
@@ -238,10 +248,13 @@ class Acceptance:
         taught = self.taught.setdefault(request_id, [0] * cfg.max_depth)
         f = cfg.request_decay ** (step - last[0])
         last[0] = step
+        prior = self._global(sampled)
         for k in range(min(num_nodes, num_accepted + 1, cfg.max_depth)):
             hit = float(k < num_accepted)
             if taught[k] < cfg.teach_global:
                 taught[k] += 1
+                if not seen[k]:
+                    g[k] = prior[k]
                 seen[k] += 1
                 g[k] += max(cfg.global_alpha, 1.0 / (seen[k] + cfg.prior_weight)) * (hit - g[k])
             hits[k] = f * hits[k] + hit
