@@ -37,9 +37,11 @@ from dataclasses import dataclass, field
 class EarlyStop:
     """Chains of a calibrated draft, cut while they are drafted. A node at path probability q
     is worth min(1, R q) tokens (R: accepted over predicted, measured); it is kept while that
-    beats G times its row (the marginal verify cost at the rows kept so far), and the next
-    level runs while the growing chains' next nodes, worth R q a each (a: the mean acceptance
-    rate), beat G times the level and their rows."""
+    beats G times its row, and the next level runs while the growing chains' next nodes, worth
+    R q a each (a: the mean acceptance rate), beat G times the level and their rows. A row is
+    priced at the verify curve's slope at the rows kept so far, but never at its first segment
+    (one row a sequence to two): that step also carries what any speculative step pays
+    (acceptance, other shapes), which the plan has already committed to."""
 
     goodput: float
     ratio: float
@@ -49,18 +51,21 @@ class EarlyStop:
     batch_size: int
     rows: int = 0              # rows kept so far: the batch's pending tokens, then kept nodes
 
-    def _verify(self, rows: int) -> float:
-        return _at(self.verify_s, rows / self.batch_size)
+    def _row(self, rows: int, n: int = 1) -> float:
+        """What n more rows cost after `rows`."""
+        v, B = self.verify_s, self.batch_size
+        lo = max(rows / B, 2.0 if len(v) > 2 else 1.0)
+        return _at(v, lo + n / B) - _at(v, lo)
 
     def keep(self, q: float) -> bool:
-        if min(1.0, self.ratio * q) > self.goodput * (self._verify(self.rows + 1) - self._verify(self.rows)):
+        if min(1.0, self.ratio * q) > self.goodput * self._row(self.rows):
             self.rows += 1
             return True
         return False
 
     def next_level(self, qs: Sequence[float]) -> bool:
         gain = sum(min(1.0, self.ratio * q * self.rate) for q in qs)
-        return gain > self.goodput * (self.level_s + self._verify(self.rows + len(qs)) - self._verify(self.rows))
+        return gain > self.goodput * (self.level_s + self._row(self.rows, len(qs)))
 
 
 @dataclass
@@ -345,8 +350,8 @@ class AdaptiveController:
             plan.nodes = {rid: len(ps) for (rid, _, _), ps in zip(seqs, cum) if rid in nodes}
             plan.depth = max(plan.nodes.values())
             rates = self.acceptance.glob[False]
-            plan.early_stop = EarlyStop(goodput * (1 + cfg.margin), ratio, sum(rates) / len(rates), level, verify, B,
-                                        rows=B)
+            plan.early_stop = EarlyStop(goodput * (1 + cfg.margin), ratio, sum(rates) / len(rates), level, verify,
+                                        B, rows=B)
         self.last_plan = plan
         self.depth_histogram[plan.depth] = self.depth_histogram.get(plan.depth, 0) + 1
         return plan
@@ -355,27 +360,32 @@ class AdaptiveController:
                      verify: list[float]) -> tuple[float, int, float]:
         """The best plan "node (i, j) iff j <= D and p_ij >= p_min". For each D nodes are added
         in falling p, so each prefix is the best set of its size (p_ij falls in j: every prefix
-        is a set of chains); G is read between ties only, since a threshold keeps all of a tie."""
+        is a set of chains); G is read between ties only, since a threshold keeps all of a tie.
+        A walk stops once a node is worth less than the cheapest row ahead costs (p < G dt):
+        every later node is worth less and costs at least as much."""
         nodes = sorted(((p, j) for ps in cum for j, p in enumerate(ps, 1)), reverse=True)
-        slopes = [(verify[r] - verify[r - 1]) / B for r in range(1, len(verify))] or [0.0]
+        top = len(verify) - 1
+        slopes = [(verify[r] - verify[r - 1]) / B for r in range(1, top + 1)] or [0.0]
         cheapest = [min(slopes[r:]) for r in range(len(slopes))]   # a row's least cost from r + 1 rows on
         best = (0.0, 0, 1.0)
+        n = len(nodes)
         for depth in range(1, max(map(len, cum)) + 1):
             fixed = rest + depth * level
             tokens, rows = float(B), B
-            for k, (p, j) in enumerate(nodes):
+            for k in range(n):
+                p, j = nodes[k]
                 if j > depth:
                     continue
                 tokens += p
                 rows += 1
-                if k + 1 < len(nodes) and nodes[k + 1][0] == p:
+                if k + 1 < n and nodes[k + 1][0] == p:
                     continue
-                r = rows / B
-                g = tokens / (fixed + _at(verify, r))
+                i = min(rows // B, top)               # rows / B lies on the segment i .. i + 1
+                g = tokens / (fixed + verify[i - 1] + (rows / B - i) * slopes[i - 1] * B)
                 if g > best[0]:
                     best = (g, depth, p)
-                elif p < g * cheapest[min(int(r), len(cheapest)) - 1]:
-                    break   # every later node is worth less than the cheapest row costs
+                elif p < g * cheapest[i - 1]:
+                    break
         return best
 
     # -- learning -----------------------------------------------------------------------

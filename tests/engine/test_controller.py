@@ -196,10 +196,11 @@ def test_a_calibrated_draft_stops_its_own_chains():
 
 
 def test_early_stop_keeps_nodes_that_pay_for_their_rows():
-    stop = EarlyStop(goodput=100.0, ratio=1.0, rate=0.8, level_s=0.001, verify_s=[0.01, 0.014, 0.018],
-                     batch_size=1, rows=1)
-    assert not stop.keep(0.39)        # 100 tok/s x 4 ms a row = 0.4 tokens
-    assert stop.keep(0.5) and stop.rows == 2
+    # One sequence; the first row past plain decoding carries a fixed 20 ms, then 4 ms a row.
+    stop = EarlyStop(goodput=100.0, ratio=1.0, rate=0.8, level_s=0.001,
+                     verify_s=[0.01, 0.034, 0.038, 0.042, 0.046], batch_size=1, rows=1)
+    assert not stop.keep(0.39)        # 100 tok/s x 4 ms a row = 0.4 tokens: the fixed part is not a row's
+    assert stop.keep(0.41) and stop.rows == 2
     assert stop.next_level([0.9])     # 0.72 tokens against 0.5
     assert not stop.next_level([0.5])
 
