@@ -218,7 +218,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_kernels: CUDA is not available on this machine; nothing to measure.")
         return 0
-    from specserve.kernels.tree_attention import build_tree_mask
+    from specserve.tree import ancestor_mask
 
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -235,8 +235,8 @@ def main() -> int:
     bench_attention("mixed 2 prefill+30 decode", [256] * 2 + [1] * 30, [0] * 2 + [2048 // scale] * 30,
                     *llama8b, 16, dtype, ceiling)  # fmt: skip
     for batch in (1, 16):  # verify: 1 pending + a 4-deep, width-4 tree per sequence
-        parents = [[-1 if n < 4 else n - 4 for n in range(16)]] * batch
-        mask = build_tree_mask(parents, [1] * batch)
+        one = ancestor_mask([-1] + [0 if n < 4 else n - 3 for n in range(16)])   # root row, then the nodes
+        mask = torch.tensor(one * batch, dtype=torch.bool, device="cuda")
         bench_attention(f"tree verify 1+16 nodes ctx={2048 // scale}", [17] * batch, [2048 // scale] * batch,
                         *llama8b, 16, dtype, ceiling, tree_mask=mask)  # fmt: skip
     for batch, vocab in ((1, 32000), (16, 128256), (64, 151936 // scale)):

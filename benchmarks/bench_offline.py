@@ -28,7 +28,7 @@ from specserve.config import ASSETS_DIR
 
 def held_out_prompts(n: int, num_tokens: int, tokenizer) -> list[list[int]]:
     """Held-out prompts from the embedded pair's corpus when it recorded some, else stdlib text."""
-    file = Path(__file__).resolve().parent / "data" / "heldout_prompts.jsonl"  # benchmarks/heldout_prompts.py
+    file = Path(__file__).resolve().parent / "data" / "heldout_prompts.jsonl"  # scripts/heldout_prompts.py
     texts = [json.loads(line) for line in file.read_text().splitlines()] if file.is_file() else []
     if not texts:
         import inspect, textwrap, json as _json  # noqa: E401

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (the `device` tool; its image has torch, triton, transformers, aiohttp,
 # prometheus-client, but not msgspec): install the carried msgspec wheel, map the package's
-# sub-packages as the editable install would, build the grown pair (benchmarks/grow_pair.py)
+# sub-packages as the editable install would, build the grown pair (benchmarks/pair.py grow)
 # into build/grown unless it is there, then run the stages named as arguments.
-#   bash scripts/device_run.sh smoke grow kernels bench pair exact profile graphs sweep engine
-# pair: PAIR_SETTINGS="static0 static3 static3+prompts adaptive adaptive+prompts" times
-# [spec] speculate_prompts beside the same settings without it (PAIR_BATCH, PAIR_ROUNDS too).
+#   bash scripts/device_run.sh smoke grow kernels bench pair exact profile graphs sweep engine replay
+# pair: PAIR_SETTINGS, PAIR_BATCH, PAIR_ROUNDS override the defaults.
 set -u
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/device_out}
 mkdir -p "$OUT"
@@ -17,8 +16,8 @@ mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python -m specserve.cli "$@"\n' >/t
 export PATH=/tmp/bin:$PATH PYTHONPATH=/tmp/site:$PWD
 G=build/grown
 grow() {
-  [ -f $G/target/model.safetensors ] || python -m benchmarks.grow_pair --src embedded:tiny-target --shape llama3-8b --out $G/target
-  [ -f $G/draft/model.safetensors ] || python -m benchmarks.grow_pair --src embedded:tiny-draft --shape llama3.2-1b --out $G/draft
+  [ -f $G/target/model.safetensors ] || python -m benchmarks.pair grow --src embedded:tiny-target --shape llama3-8b --out $G/target
+  [ -f $G/draft/model.safetensors ] || python -m benchmarks.pair grow --src embedded:tiny-draft --shape llama3.2-1b --out $G/draft
 }
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
@@ -28,10 +27,10 @@ for stage in "$@"; do
     grow) grow 2>&1 | grep -v '  layer' | tee $OUT/grow.log;;
     kernels) timeout 240 python -m pytest -q -x -p no:cacheprovider tests/kernels 2>&1 | tail -25 | tee $OUT/kernels.log;;
     bench) timeout 150 python benchmarks/bench_kernels.py --dtype bfloat16 2>&1 | tee $OUT/bench_kernels.log;;
-    pair) grow >/dev/null 2>&1; timeout ${PAIR_TIMEOUT:-240} python -m benchmarks.pair_speed --target $G/target --draft $G/draft \
+    pair) grow >/dev/null 2>&1; timeout ${PAIR_TIMEOUT:-240} python -m benchmarks.pair speed --target $G/target --draft $G/draft \
             --batch ${PAIR_BATCH:-1 16 64} --rounds ${PAIR_ROUNDS:-1} ${PAIR_SETTINGS:+--settings $PAIR_SETTINGS} --out $OUT/pair_speed.json 2>&1 | grep -v Warning | tee $OUT/pair_speed.log;;
     exact) for dt in float32 bfloat16; do
-             timeout 150 python -m benchmarks.pair_speed --target specserve/assets/tiny-target --draft specserve/assets/tiny-draft \
+             timeout 150 python -m benchmarks.pair speed --target specserve/assets/tiny-target --draft specserve/assets/tiny-draft \
                --dtype $dt --batch 1 16 --rounds 1 --settings static0 static1 static3 adaptive 2>&1 | grep -v Warning | tail -9 | tee -a $OUT/exact.log
            done;;
     profile) grow >/dev/null 2>&1
@@ -42,14 +41,15 @@ for stage in "$@"; do
            # SWEEP_GRAPHS=1: serve with cuda_graphs (a top-level key, so it goes before the tables)
            [ -n "${SWEEP_GRAPHS:-}" ] && sed -i '1i cuda_graphs = true\n' $G/pair.toml
            rm -rf /tmp/sweep
-           timeout ${SWEEP_TIMEOUT:-420} python -m benchmarks.sweep --model grown-8b --config $G/pair.toml --interleave --rounds 1 --one-process --step-logs \
+           timeout ${SWEEP_TIMEOUT:-420} python -m benchmarks.sweep --config $G/pair.toml --rounds 1 \
              --prompts-per-concurrency 2 --min-prompts 8 --concurrency ${SWEEP_CONC:-1 4 16 64} --settings ${SWEEP_SETTINGS:-adaptive none static1 static2 static3 static4} \
              --out-dir /tmp/sweep -- --max-tokens 48 --prompts-file benchmarks/data/heldout_prompts.jsonl --no-progress 2>&1 | grep -v Warning | tail -40
            tar czf $OUT/sweep.tgz -C /tmp sweep;;
+    replay) timeout 100 python -m benchmarks.replay judge 2>&1 | tee $OUT/replay.log;;
     graphs) grow >/dev/null 2>&1   # CUDA graphs: the capture test, then the pair with and without them
            timeout 200 python -m pytest -q -x -p no:cacheprovider tests/engine/test_graphs.py 2>&1 | tail -5 | tee $OUT/graphs_test.log
            timeout 150 python -m benchmarks.profile_step --target $G/target --batch 1 --rows 15 --cuda-graphs 2>&1 | grep -v Warning | tee $OUT/profile_graphs.log | head -25
-           timeout 300 python -m benchmarks.pair_speed --target $G/target --draft $G/draft --batch 1 16 64 --rounds 1 --cuda-graphs \
+           timeout 300 python -m benchmarks.pair speed --target $G/target --draft $G/draft --batch 1 16 64 --rounds 1 --cuda-graphs \
              --out $OUT/pair_speed_graphs.json 2>&1 | grep -v Warning | tail -25 | tee $OUT/pair_speed_graphs.log;;
     engine) timeout ${ENGINE_TIMEOUT:-200} python -m pytest -q -x -p no:cacheprovider tests/engine/test_generate.py tests/engine/test_spec.py tests/engine/test_lossless.py 2>&1 | tail -25 | tee $OUT/engine.log;;
     *) echo "unknown stage $stage";;

@@ -1,6 +1,6 @@
 """Held-out prompts from the embedded pair's corpus, for the benchmarks.
 
-    python -m benchmarks.heldout_prompts [--num 200] [--out benchmarks/data/heldout_prompts.jsonl]
+    python scripts/heldout_prompts.py [--num 200] [--out benchmarks/data/heldout_prompts.jsonl]
 
 The corpus is the running interpreter's standard library; a file is held out by the very
 rule scripts/train_pair.py trains with (`is_held_out`), so no prompt was seen in training.

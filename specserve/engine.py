@@ -117,14 +117,18 @@ class LLMEngine:
             bytes_per_block += draft_args.kv_bytes_per_block(block_size, draft_model.dtype)
         num_blocks = config.cache.num_blocks or self._size_pool(bytes_per_block)
         self.pool = KVPool(num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching)
-        for name, model in (("target", target), ("draft", draft_model)):
-            min_bytes = None if model is None else _onednn_min_layer_bytes(config, model)
-            if min_bytes is not None and (packed := model.pack_for_onednn(min_bytes)):
-                logger.info("%s: %d linear layers run through oneDNN with packed weights", name, packed)
         threads = CpuThreads(torch.get_num_threads())
         self.target = ModelRunner(target, self.target_args, num_blocks, block_size, self.device, threads)
         self.draft = (ModelRunner(draft_model, draft_args, num_blocks, block_size, self.device, threads)
                       if draft_model else None)
+        for name, runner in (("target", self.target), ("draft", self.draft)):
+            min_bytes = None if runner is None else _onednn_min_layer_bytes(config, runner.model)
+            if min_bytes is not None and (packed := runner.model.pack_for_onednn(min_bytes)):
+                if config.cpu.linear == "auto" and not self._packed_is_faster(runner):
+                    runner.model.unpack_onednn()
+                    logger.info("%s: F.linear measured faster than oneDNN here: kept", name)
+                else:
+                    logger.info("%s: %d linear layers run through oneDNN with packed weights", name, packed)
         if config.cuda_graphs:
             self._use_graphs(config, block_size)
         self.pool_bytes = num_blocks * bytes_per_block
@@ -138,6 +142,30 @@ class LLMEngine:
             "pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes per block)",
             num_blocks, block_size, num_blocks * block_size, self.pool_bytes / 2**20, bytes_per_block,
         )
+
+    def _packed_is_faster(self, runner: ModelRunner) -> bool:
+        """[cpu] linear = "auto": whether the model's oneDNN-packed forward beats F.linear on this
+        machine, timed warm over the row counts steps run (1, 4, 16, 64), each way twice. Which
+        path wins depends on the CPU's memory and on the BLAS, not only on the weights' size."""
+        from specserve.profile import dummy_input
+
+        inputs = [dummy_input(self.pool, 1, rows, 32) for rows in (1, 4, 16, 64)]
+
+        def seconds() -> float:
+            for inp in inputs:   # a warm-up: oneDNN builds a primitive per row count
+                runner.forward(inp)[-1, 0].item()
+            start = time.perf_counter()
+            for _ in range(2):
+                for inp in inputs:
+                    runner.forward(inp)[-1, 0].item()
+            return time.perf_counter() - start
+
+        packed = seconds()
+        layers = {m: m.__dict__.pop("onednn") for m in runner.model.modules() if "onednn" in m.__dict__}
+        plain = seconds()
+        for module, weights in layers.items():
+            module.__dict__["onednn"] = weights
+        return packed < 0.9 * plain
 
     def _use_graphs(self, config: EngineConfig, block_size: int) -> None:
         """cuda_graphs: both runners serve their uniform forwards from graphs (graphs.py), captured

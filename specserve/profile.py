@@ -54,7 +54,8 @@ def profile_key(engine, buckets: list[int], max_rows: int) -> dict:
         "target": _checkpoint_id(cfg.target.path),
         "draft": _checkpoint_id(cfg.draft.path) if cfg.draft.kind == "model" else cfg.draft.kind,
         "dtype": str(engine.target.model.dtype), "device": device, "threads": torch.get_num_threads(),
-        "cpu_linear": cfg.cpu.linear, "block_size": engine.pool.block_size,
+        "onednn": any("onednn" in m.__dict__ for m in engine.target.model.modules()),
+        "block_size": engine.pool.block_size,
         "buckets": buckets, "max_rows": max_rows,
     }
 
@@ -92,6 +93,20 @@ def save(key: dict, curve: CapacityCurve) -> Path:
     tmp.write_text(json.dumps({"key": key, "curve": curve.to_dict()}))
     tmp.replace(path)   # atomic: a reader never sees half a profile
     return path
+
+
+def dummy_input(pool, batch: int, rows: int, context: int, strewn: list[int] | None = None) -> ForwardInput:
+    """`batch` dummy sequences of `rows` new rows after `context` cached tokens, on blocks of
+    the pool (strewn over it, as a served batch's are), writing no KV (slot -1)."""
+    block_size, num_blocks = pool.block_size, pool.num_blocks
+    per_seq = -(-(context + rows) // block_size)
+    inp = ForwardInput()
+    for i in range(batch):
+        table = [(strewn[(i * per_seq + j) % num_blocks] if strewn else (i * per_seq + j) % num_blocks)
+                 for j in range(per_seq)]
+        inp.add([0] * rows, list(range(context, context + rows)), [-1] * rows, table, context + rows,
+                logit_rows=list(range(rows)))
+    return inp
 
 
 def probe(engine, buckets: list[int], max_rows: int, thorough: bool = False,

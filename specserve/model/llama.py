@@ -423,6 +423,11 @@ class CausalLM(nn.Module):
                 packed += 1
         return packed
 
+    def unpack_onednn(self) -> None:
+        """Back to F.linear for every layer (pack_for_onednn undone; the plain weights stayed)."""
+        for module in self.modules():
+            module.__dict__.pop("onednn", None)
+
     def tie_weights(self) -> None:
         if self.args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight

@@ -81,6 +81,7 @@ def test_engine_packs_what_the_setting_says(tiny_llama, monkeypatch):
     # The tiny checkpoint's linears are far below 8 MiB: "auto" leaves them alone.
     from specserve import engine
 
+    monkeypatch.setattr(engine.LLMEngine, "_packed_is_faster", lambda self, runner: True)
     llm = make_llm(tiny_llama)
     assert not is_packed(llm.engine.target.model) and not is_packed(llm.engine.draft.model)
     llm = make_llm(tiny_llama, cpu__linear="onednn")
@@ -96,9 +97,28 @@ def test_engine_packs_what_the_setting_says(tiny_llama, monkeypatch):
     assert is_packed(make_llm(tiny_llama).engine.target.model)
 
 
-def test_auto_packs_the_big_layers_of_a_small_model(tmp_path):
+def test_auto_keeps_what_measures_faster(tiny_llama, monkeypatch):
+    """"auto" times the packed forward against F.linear on this machine and keeps the faster;
+    "onednn" packs whatever it measures."""
+    from specserve import engine
+
+    monkeypatch.setattr(engine, "_ONEDNN_MIN_MODEL_BYTES", 0)
+    monkeypatch.setattr(engine.LLMEngine, "_packed_is_faster", lambda self, runner: False)
+    assert not is_packed(make_llm(tiny_llama).engine.target.model)
+    assert is_packed(make_llm(tiny_llama, cpu__linear="onednn").engine.target.model)
+    # The measurement itself leaves a packed model packed, whatever it finds.
+    llm = make_llm(tiny_llama, cpu__linear="onednn")
+    monkeypatch.undo()
+    assert llm.engine._packed_is_faster(llm.engine.target) in (True, False)
+    assert is_packed(llm.engine.target.model)
+
+
+def test_auto_packs_the_big_layers_of_a_small_model(tmp_path, monkeypatch):
     """A model below 8 MiB of linears with a 1 MiB LM head (4096 x 64 float32): "auto"
     packs the head only."""
+    from specserve import engine
+
+    monkeypatch.setattr(engine.LLMEngine, "_packed_is_faster", lambda self, runner: True)
     path = make_checkpoint(tmp_path / "wide_head", vocab_size=4096)
     llm = LLM(target=str(path), draft="none", dtype="float32", device="cpu", progress=False,
               num_blocks=64, block_size=4)

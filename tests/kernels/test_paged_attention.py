@@ -7,8 +7,8 @@ import torch
 
 from specserve.kernels import reference
 from specserve.kernels.paged_attention import paged_attention
-from specserve.kernels.tree_attention import build_tree_mask, tree_attention
 from specserve.model.attention import AttentionMetadata
+from specserve.tree import ancestor_mask
 
 from ._device import DEVICE, INTERPRETED, to_device
 
@@ -102,6 +102,18 @@ TREES = [
 ]
 
 
+def build_tree_mask(parents_per_seq, num_pending_per_seq) -> torch.Tensor:
+    """[T, max_q] verify mask of sequences of pending tokens then a tree each, from the engine's
+    one builder (tree.ancestor_mask): the pending tokens form a chain, the tree hangs off the
+    last of them."""
+    blocks = []
+    for parents, pending in zip(parents_per_seq, num_pending_per_seq):
+        chain = list(range(-1, pending - 1))
+        blocks.append(ancestor_mask(chain + [pending - 1 if p < 0 else pending + p for p in parents]))
+    width = max(len(b) for b in blocks)
+    return torch.tensor([row + [False] * (width - len(row)) for b in blocks for row in b])
+
+
 def test_build_tree_mask():
     mask = build_tree_mask([[-1, -1, 0, 2], []], [2, 1])
     rows = [
@@ -124,7 +136,7 @@ def test_tree_attention_custom_mask(heads, dtype):
     mask = build_tree_mask(parents, pending)
     ctx = [11, 0, 6, 4, 9]
     lens = [(c, n + len(p)) for c, (p, n) in zip(ctx, TREES)]
-    check(*make_case(lens, *heads, 16, 4, dtype, seed=5, custom_mask=mask), dtype, fn=tree_attention)
+    check(*make_case(lens, *heads, 16, 4, dtype, seed=5, custom_mask=mask), dtype, fn=paged_attention)
 
 
 def test_tree_attention_equals_each_branch_run_as_a_chain():
@@ -132,7 +144,7 @@ def test_tree_attention_equals_each_branch_run_as_a_chain():
     parents, pending, ctx = [-1, -1, 0, 1, 2], 1, 6
     q, k, v, meta = make_case([(ctx, pending + 5)], 2, 1, 16, 4, torch.float32, seed=6,
                               custom_mask=build_tree_mask([parents], [pending]))  # fmt: skip
-    out = tree_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), to_device(meta), 0.25).cpu()
+    out = paged_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), to_device(meta), 0.25).cpu()
     path = [0, 1, 3, 5]  # pending token, node 0, node 2, node 4 (rows in this step)
     # rebuild a pool holding the path contiguously and attend causally
     table = meta.block_tables[0].tolist()
@@ -147,9 +159,3 @@ def test_tree_attention_equals_each_branch_run_as_a_chain():
     chain_k[:10], chain_v[:10] = flat_k[slots], flat_v[slots]
     want = reference.paged_attention(q[path], chain_k.view(3, 4, 1, 16), chain_v.view(3, 4, 1, 16), chain, 0.25)
     torch.testing.assert_close(out[path], want, atol=1e-5, rtol=1e-5)
-
-
-def test_tree_attention_requires_a_mask():
-    q, k, v, meta = make_case([(2, 2)], 2, 2, 16, 4, torch.float32, seed=7)
-    with pytest.raises(AssertionError, match="custom_mask"):
-        tree_attention(q, k, v, meta, 1.0)
