@@ -14,10 +14,13 @@ A delta ending in U+FFFD is an incomplete UTF-8 sequence: nothing is emitted and
 offsets stay, so the next token re-decodes the bytes together. Decoding costs O(window)
 per token, never O(sequence).
 
-Stop strings: the text not yet emitted is searched for the earliest occurrence of any stop
-string; text before it is emitted, the stop string and everything after never are. Until
-then, the longest suffix that could still grow into a stop string is held back, so no part
-of a stop string is ever streamed to a client.
+Stop strings are matched in linear time and memory: one Knuth-Morris-Pratt automaton per
+stop string reads the new text once, character by character; its state is the longest
+prefix of the stop string that ends the text so far. The first stop string to complete
+ends the output (of two completing at one character, the longer, which started earlier):
+text before it is emitted, the stop string and everything after never are. Until then, as
+many characters as the largest state are held back, so no part of a stop string is ever
+streamed to a client.
 
 Output equals `tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`
 of the generated ids, cut before a stop string: streamed text cannot be cleaned up afterwards.
@@ -27,6 +30,20 @@ from collections.abc import Sequence
 
 # Prompt tokens decoded as context before the first generated token.
 PROMPT_CONTEXT_TOKENS = 5
+
+
+def _failure(s: str) -> list[int]:
+    """KMP failure table: f[i] = the length of the longest proper prefix of s[:i + 1] that is
+    also its suffix."""
+    f = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = f[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        f[i] = k
+    return f
 
 
 class IncrementalDetokenizer:
@@ -41,9 +58,8 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop)
         assert all(self.stop), "stop strings must be non-empty (SamplingParams.validate checks this)"
-        self._max_stop_len = max((len(s) for s in self.stop), default=0)
-        # Every proper prefix of a stop string: a text suffix in here may become a stop.
-        self._stop_prefixes = {s[:j] for s in self.stop for j in range(1, len(s))}
+        self._failure = [_failure(s) for s in self.stop]   # KMP tables
+        self._state = [0] * len(self.stop)                 # matched prefix length of each stop string
 
         self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])   # the decode window, trimmed as we go
         self._prefix_offset = 0
@@ -75,21 +91,25 @@ class IncrementalDetokenizer:
         self._prefix_text = None
         return delta
 
-    def _find_stop(self, text: str, start: int) -> tuple[int, str] | None:
-        """Earliest (position, stop string) in text[start:], or None."""
-        best = None
-        for s in self.stop:
-            pos = text.find(s, start)
-            if pos != -1 and (best is None or pos < best[0]):
-                best = (pos, s)
-        return best
-
-    def _holdback_len(self, text: str) -> int:
-        """Length of the longest suffix of text that is a proper prefix of a stop string."""
-        for n in range(min(len(text), self._max_stop_len - 1), 0, -1):
-            if text[-n:] in self._stop_prefixes:
-                return n
-        return 0
+    def _advance(self, piece: str) -> tuple[int, str] | None:
+        """Run the automata over `piece`; (index just past the match in piece, stop string) of
+        the first stop string to complete, else None."""
+        for end, c in enumerate(piece, 1):
+            hit = None
+            for k, (s, fail) in enumerate(zip(self.stop, self._failure)):
+                m = self._state[k]
+                while m and s[m] != c:
+                    m = fail[m - 1]
+                if s[m] == c:
+                    m += 1
+                if m == len(s):
+                    if hit is None or len(s) > len(hit):
+                        hit = s
+                    m = fail[m - 1]
+                self._state[k] = m
+            if hit is not None:
+                return end, hit
+        return None
 
     def append(self, token_ids: Sequence[int]) -> tuple[str, int | None]:
         """Feed newly generated tokens; return (text_delta, stop_index).
@@ -104,16 +124,16 @@ class IncrementalDetokenizer:
             piece = self._decode_next(token_id)
             if not piece:
                 continue
-            # Only a match ending inside `piece` is new: earlier text was searched already.
-            search_from = max(0, len(pending) - self._max_stop_len + 1)
+            hit = self._advance(piece) if self.stop else None
             pending += piece
-            if self.stop and (hit := self._find_stop(pending, search_from)) is not None:
-                pos, self.stop_string = hit
+            if hit is not None:
+                end, self.stop_string = hit
+                pos = len(pending) - len(piece) + end - len(self.stop_string)
                 self.stopped = True
                 self._held = ""
                 self.text += pending[:pos]
                 return pending[:pos], i
-        n_held = self._holdback_len(pending) if self.stop else 0
+        n_held = min(len(pending), max(self._state, default=0))
         delta = pending[: len(pending) - n_held]
         self._held = pending[len(pending) - n_held :]
         self.text += delta
