@@ -41,8 +41,9 @@ class RequestOutput:
     new_token_ids: list[int]  # since the previous output of this request
     new_text: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
     stats: RequestStats = field(repr=False, default_factory=RequestStats)
+    error: str | None = None   # finish_reason "error": what went wrong (the request failed alone)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -138,6 +139,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._aborted: list[Request] = []
         self._last_step_end: float | None = None   # None: idle since (see idle())
+        self.num_failed = 0      # requests that failed alone (finish_reason "error")
+        self.num_restarts = 0    # times the engine was reset after its loop died
         logger.info(
             "pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes per block)",
             num_blocks, block_size, num_blocks * block_size, self.pool_bytes / 2**20, bytes_per_block,
@@ -299,7 +302,24 @@ class LLMEngine:
         start = time.perf_counter()
         plan = self.spec.plan(self.scheduler.running)
         batch = self.scheduler.schedule(plan.nodes)
-        new_tokens = self.spec.step(batch, plan)
+        try:
+            new_tokens = self.spec.step(batch, plan)
+        except Exception:
+            # Past the requests' own parts (which fail alone: spec.failed), a step that raises
+            # is run again one sequence at a time, so that only the one whose data breaks it fails.
+            logger.exception("engine step failed; running its sequences one at a time")
+            self.spec.recover()
+            new_tokens = {}
+            for seq in batch.seqs:
+                try:
+                    new_tokens.update(self.spec.step(SchedulerOutput([seq]), plan))
+                except Exception as e:
+                    self.spec.failed[seq.request.request_id] = f"the engine step serving this request failed: {e!r}"
+            self.spec.recover(keep_failed=True)
+        for request_id, message in self.spec.failed.items():
+            if (req := self.requests.get(request_id)) is not None:
+                self._fail(req, message)
+        self.spec.failed.clear()
         outputs = self._postprocess(batch, new_tokens)
         # A step costs the process from the end of the one before (unless it idled since): the
         # caller's handling of the outputs, in a server its SSE events, is part of every step.
@@ -314,6 +334,8 @@ class LLMEngine:
         now = time.monotonic()
         for s in batch.seqs:
             req = s.request
+            if req.is_finished:   # failed in this step (or aborted): reported above
+                continue
             toks = new_tokens.get(req.request_id)
             if toks is None:  # a prefill chunk that did not reach the end of the prompt
                 req.num_computed_tokens += s.num_new_tokens
@@ -325,7 +347,13 @@ class LLMEngine:
             req.stats.num_target_passes += 1
             if req.stats.first_token_time is None:
                 req.stats.first_token_time = now
-            reason = self._append(req, toks)
+            try:
+                reason = self._append(req, toks)
+            except Exception as e:   # its detokenizer or stop check: this request fails alone
+                logger.exception("request %s failed in its output", req.request_id)
+                self._fail(req, f"producing this request's output failed: {e!r}")
+                outputs.append(self._aborted.pop())
+                continue
             if reason is None:
                 self.scheduler.postprocess(req)
             else:
@@ -363,6 +391,32 @@ class LLMEngine:
         req.new_text += delta
         return reason
 
+    def _fail(self, req: Request, message: str) -> None:
+        """End one request with finish_reason "error": its blocks go back, its stream gets the
+        message, nothing else is touched."""
+        self.num_failed += 1
+        self.requests.pop(req.request_id, None)
+        req.error = message
+        if not req.is_finished:
+            self.scheduler.finish(req, "error")
+        self.spec.forget(req)
+        self._aborted.append(req)
+
+    def reset(self) -> None:
+        """Start over after the engine loop died: a new pool and scheduler (the models and their
+        KV tensors stay), no requests; the controller keeps what it learned of the machine."""
+        config = self.config
+        self.pool = KVPool(self.pool.num_blocks, self.pool.block_size,
+                           enable_prefix_caching=config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.pool, self.max_model_len, has_draft_kv=self.draft is not None)
+        for req in list(self.requests.values()):
+            self.spec.forget(req)
+        self.spec.recover()
+        self.requests.clear()
+        self._aborted.clear()
+        self._last_step_end = None
+        self.num_restarts += 1
+
     def _output(self, req: Request) -> RequestOutput:
         new_ids = req.token_ids[req.num_prompt_tokens + req.num_reported_tokens :]
         req.num_reported_tokens = req.num_output_tokens
@@ -378,6 +432,7 @@ class LLMEngine:
             finished=req.is_finished,
             finish_reason=req.finish_reason,
             stats=req.stats,
+            error=req.error,
         )
 
 
@@ -397,7 +452,11 @@ def _resolve(future: asyncio.Future, value) -> None:
 class AsyncEngine:
     """The engine on a worker thread: steps run off the event loop, so streaming, health
     and metrics stay responsive while a step computes. Requests enter and leave through a
-    thread-safe command queue drained between steps."""
+    thread-safe command queue drained between steps.
+
+    Supervision: if the engine loop dies (an error outside what a step isolates), every
+    stream in flight gets an EngineDeadError, the engine is reset (a new pool and scheduler:
+    LLMEngine.reset) and the loop goes on; `restarting` is true meanwhile."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -407,12 +466,12 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.error: BaseException | None = None
-        self.step_callbacks: list = []  # called on the worker thread after each step: f(engine, outputs, step_s)
+        self.error: BaseException | None = None   # why the engine loop last died
+        self.restarting = False
 
     @property
     def is_alive(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
+        return not self.restarting and self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -512,25 +571,28 @@ class AsyncEngine:
                 self._loop.call_soon_threadsafe(_resolve, done, result)
 
     def _run(self) -> None:
-        try:
-            while not self._stopping:
+        while not self._stopping:
+            try:
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests() and not self.engine._aborted:
                     self.engine.idle()
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
-                start = time.perf_counter()
                 outputs = self.engine.step()
-                elapsed = time.perf_counter() - start
-                for cb in self.step_callbacks:
-                    cb(self.engine, outputs, elapsed)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
-        except BaseException as e:  # the engine is dead: every stream learns it
-            logger.exception("engine loop died")
-            self.error = e
-            self._loop.call_soon_threadsafe(self._fail_all, e)
+            except Exception as e:   # the loop died: every stream learns it, the engine starts over
+                logger.exception("engine loop died; resetting the engine")
+                self.restarting, self.error = True, e
+                self.fail_all(EngineDeadError(f"the engine stopped ({e!r}) and is restarting; retry"))
+                time.sleep(0.1)   # a fault that repeats at once does not spin the core
+                self.engine.reset()
+                self.restarting = False
+
+    def fail_all(self, error: Exception) -> None:
+        """End every stream in flight with `error` (thread-safe)."""
+        self._loop.call_soon_threadsafe(self._fail_all, error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -538,6 +600,6 @@ class AsyncEngine:
             if stream is not None:
                 stream.put_nowait(out)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self, error: Exception) -> None:
         for stream in self._streams.values():
-            stream.put_nowait(EngineDeadError(f"the engine stopped: {error!r}"))
+            stream.put_nowait(error)

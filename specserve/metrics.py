@@ -38,6 +38,13 @@ class _EngineCollector:
         g.add_metric([], engine.pool.usage)
         yield g
 
+        for name, value, doc in (
+            ("specserve_engine_restarts", engine.num_restarts, "Times the engine was reset after its loop died."),
+            ("specserve_requests_failed", engine.num_failed, "Requests the engine failed alone (an error of theirs)."),
+        ):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c
         totals = engine.spec.totals
         for name, value, doc in (
             ("specserve_spec_num_drafts", totals.num_drafts, "Speculative steps (a tree proposed and verified)."),

@@ -63,7 +63,8 @@ class Request:
         self.detokenizer = detokenizer
         self.generator = generator  # torch.Generator for seeded requests, else None
         self.status = RequestStatus.WAITING
-        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+        self.error: str | None = None          # finish_reason "error": what went wrong
         # The shared pool.
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []

@@ -25,6 +25,8 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 100.0
 # torch.Generator.manual_seed accepts [-2**63, 2**64 - 1].
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+# Integers that become tensor entries stay far inside int64 (and int32 where kernels read them).
+MAX_INT = 2**31 - 1
 
 
 def _is_int(x) -> bool:
@@ -62,21 +64,22 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             value = getattr(self, param)
             raise InvalidRequestError(f"{param} must be {allowed}, got {value!r}", param)
 
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            bad("max_tokens", "an integer >= 1")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT:
+            bad("max_tokens", f"an integer in [1, {MAX_INT}]")
         t = self.temperature
         if not _is_number(t) or not math.isfinite(t) or not 0.0 <= t <= MAX_TEMPERATURE:
             bad("temperature", f"a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", "a number in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            bad("top_k", "an integer >= 1, or 0 or -1 for no top-k")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_INT:
+            bad("top_k", f"an integer in [1, {MAX_INT}], or 0 or -1 for no top-k")
         if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
             bad("seed", f"null or an integer in [{MIN_SEED}, {MAX_SEED}]")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or not all(_is_int(i) and i >= 0 for i in self.stop_token_ids):
-            bad("stop_token_ids", "a list of token ids >= 0")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(i) and 0 <= i <= MAX_INT
+                                                                for i in self.stop_token_ids):
+            bad("stop_token_ids", f"a list of token ids in [0, {MAX_INT}]")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "true or false")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:

@@ -75,6 +75,7 @@ class Speculator:
         self._observed: tuple | None = None   # this step's measurements, for end_step()
         self._detached: AdaptiveController | None = None   # the controller while a static depth plans
         self._finished: list[str] = []    # requests to forget once the step that ended them is learned
+        self.failed: dict[str, str] = {}  # request id -> why its part of this step raised (it fails alone)
         if drafter is not None and config.spec.mode == "adaptive":
             self.controller = self.make_controller()
 
@@ -193,12 +194,16 @@ class Speculator:
         for s in batch.seqs:
             req, start, m = s.request, s.request.num_computed_tokens, s.num_new_tokens
             tree = trees.get(req.request_id, _NO_TREE)
+            try:
+                rows = (req.token_ids[start:start + m] + tree.tokens,
+                        list(range(start, start + m)) + [start + m - 1 + d for d in tree.depths],
+                        slots_for(req.block_table, block_size, start, m + tree.num_nodes))
+            except Exception as e:
+                self.failed[req.request_id] = f"building this request's rows failed: {e!r}"
+                continue
             if s.is_decode:
                 verified.append(_Verified(s, tree, len(inp.logit_rows)))
-            inp.add(req.token_ids[start:start + m] + tree.tokens,
-                    list(range(start, start + m)) + [start + m - 1 + d for d in tree.depths],
-                    slots_for(req.block_table, block_size, start, m + tree.num_nodes),
-                    req.block_table, start + m + tree.num_nodes,
+            inp.add(*rows, req.block_table, start + m + tree.num_nodes,
                     logit_rows=list(range(m - 1, m + tree.num_nodes)) if s.is_decode else [],
                     mask=None if tree.is_chain else tree.verify_mask())   # trees: m == 1
 
@@ -254,19 +259,23 @@ class Speculator:
         uniforms = torch.zeros(num_seqs, width + 1)
         for i, v in enumerate(verified):
             tree, n, gen = v.tree, v.tree.num_nodes, v.seq.request.generator
-            if n:
-                tokens[i, :n] = torch.tensor(tree.tokens)
-                parents[i, :n] = torch.tensor(tree.parents, dtype=torch.int32)
-                is_sampled[i, :n] = torch.tensor(tree.is_sampled)
-                if tree.draft_probs is not None and vocab > 1:
-                    k = min(vocab, tree.draft_probs.shape[1])   # the draft's vocabulary may be padded otherwise
-                    draft_probs[i, :n, :k] = tree.draft_probs[:, :k].float()
-            if not requests[i].params.is_greedy:
-                # Exactly n + 1 draws (each node, then the bonus at column `width`): a seeded
-                # request's stream does not depend on the other trees of the batch.
-                u = torch.rand(n + 1, generator=gen, device=gen.device).cpu() if gen is not None else torch.rand(n + 1)
-                uniforms[i, :n] = u[:n]
-                uniforms[i, width] = u[n]
+            try:
+                if n:
+                    tokens[i, :n] = torch.tensor(tree.tokens)
+                    parents[i, :n] = torch.tensor(tree.parents, dtype=torch.int32)
+                    is_sampled[i, :n] = torch.tensor(tree.is_sampled)
+                    if tree.draft_probs is not None and vocab > 1:
+                        k = min(vocab, tree.draft_probs.shape[1])   # the draft's vocabulary may be padded otherwise
+                        draft_probs[i, :n, :k] = tree.draft_probs[:, :k].float()
+                if not requests[i].params.is_greedy:
+                    # Exactly n + 1 draws (each node, then the bonus at column `width`): a seeded
+                    # request's stream does not depend on the other trees of the batch.
+                    u = torch.rand(n + 1, generator=gen, device=gen.device).cpu() if gen is not None else torch.rand(n + 1)
+                    uniforms[i, :n] = u[:n]
+                    uniforms[i, width] = u[n]
+            except Exception as e:   # this request's part: it fails alone, its row verifies nothing
+                self.failed[requests[i].request_id] = f"preparing this request's acceptance failed: {e!r}"
+                num_nodes[i], is_greedy[i] = 0, True
         if width > max_nodes:   # no trees: a padding row beside each root row
             target_argmax = torch.cat([target_argmax, target_argmax], dim=1)
             probs = torch.cat([probs, probs], dim=1)
@@ -303,6 +312,8 @@ class Speculator:
         src, dst = [], []
         for i, v in enumerate(verified):
             req, tree, a = v.seq.request, v.tree, num_accepted[i]
+            if req.request_id in self.failed:
+                continue
             base = req.num_tokens   # node k's scratch slot: position base + k
             path = accepted[i][:a]
             for depth, node in enumerate(path):
@@ -354,11 +365,17 @@ class Speculator:
         chains = [(v.seq.request.request_id, not v.seq.request.params.is_greedy,
                    v.tree.num_nodes if self.tree_kind == "chain" else v.tree.max_depth,
                    len(new_tokens[v.seq.request.request_id]) - 1, v.tree.path_probs)
-                  for v in verified if v.tree.num_nodes]
+                  for v in verified if v.tree.num_nodes and v.seq.request.request_id in new_tokens]
         levels = self.drafter.levels_run
         timed = len(decoding) == len(batch.seqs) and typical
         controller.observe(len(decoding), sum(1 + v.tree.num_nodes for v in decoding), levels, draft_s,
                            verify_s, step_s - draft_s - verify_s, chains, timed=timed, context=context)
+
+    def recover(self, keep_failed: bool = False) -> None:
+        """A step failed part-way (or the engine was reset): nothing of it is learned."""
+        self._observed = None
+        if not keep_failed:
+            self.failed.clear()
 
     def forget(self, request: Request) -> None:
         """The request finished or was aborted: its draft state goes now, its acceptance
