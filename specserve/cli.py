@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -70,7 +71,8 @@ def cmd_serve(args) -> int:
     from specserve.server.app import serve
 
     cfg = _engine_config(args)
-    cfg = config_mod.with_overrides(cfg, host=args.host, port=args.port, admin_api=True if args.admin_api else None)
+    cfg = config_mod.with_overrides(cfg, host=args.host, port=args.port, admin_api=True if args.admin_api else None,
+                                    shutdown_timeout_s=args.shutdown_timeout)
     serve(cfg)
     return 0
 
@@ -100,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_engine_args(p)
     p.add_argument("--host")
     p.add_argument("--port", type=int)
+    p.add_argument("--shutdown-timeout", type=float, help="seconds SIGTERM waits for requests in flight")
     p.add_argument("--admin-api", action="store_true",
                    help="serve GET/POST /admin/speculation, to switch between adaptive and a static depth "
                         "while running (sets [server] admin_api)")
@@ -129,6 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     except SpecserveError as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:   # a fault of ours: one line here, the traceback in the log at debug level
+        logging.getLogger("specserve").debug("unexpected error", exc_info=True)
+        print(f"specserve: error: {type(e).__name__}: {e} (run with SPECSERVE_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        if os.environ.get("SPECSERVE_DEBUG"):
+            raise
+        return 1
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from itertools import accumulate
 
 import torch
 
+from specserve.errors import ConfigError
 from specserve.model.attention import AttentionMetadata
 
 
@@ -87,7 +88,13 @@ class ModelRunner:
         self.args = args
         self.device = device
         self.block_size = block_size
-        self.kv_caches = model.make_kv_caches(num_blocks, block_size, device=device)
+        try:
+            self.kv_caches = model.make_kv_caches(num_blocks, block_size, device=device)
+        except (RuntimeError, MemoryError) as e:   # the allocator's own words, in one line
+            gib = num_blocks * args.kv_bytes_per_block(block_size, model.dtype) / 2**30
+            raise ConfigError(f"cache: {num_blocks} blocks of {block_size} tokens need {gib:.1f} GiB for "
+                              f"one model's KV, which cannot be allocated ({str(e).splitlines()[0]}); lower "
+                              "cache.num_blocks or cache.kv_cache_bytes") from None
         self.cpu_threads = cpu_threads if device.type == "cpu" and cpu_threads and cpu_threads.max_threads > 1 else None
         self.graphs = None   # ForwardGraphs once use_graphs() is called
 

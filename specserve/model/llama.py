@@ -77,6 +77,16 @@ class ModelArgs:
         if isinstance(dtype, torch.dtype):
             dtype = str(dtype).removeprefix("torch.")
         tie = getattr(cfg, "tie_word_embeddings", None)
+        sizes = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+                 "num_attention_heads": num_heads, "num_key_value_heads": getattr(cfg, "num_key_value_heads", None)
+                 or num_heads, "head_dim": head_dim, "intermediate_size": cfg.intermediate_size,
+                 "max_position_embeddings": cfg.max_position_embeddings}
+        for name, value in sizes.items():
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 2**31 - 1:
+                raise ModelLoadError(f"config.json: {name} = {value!r} is invalid: it must be a positive integer")
+        if num_heads % sizes["num_key_value_heads"]:
+            raise ModelLoadError(f"config.json: num_attention_heads = {num_heads} is not a multiple of "
+                                 f"num_key_value_heads = {sizes['num_key_value_heads']}")
         return cls(
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
