@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -35,10 +34,10 @@ from specserve.engine import AsyncEngine, EngineDeadError, LLMEngine, QueueFullE
 from specserve.errors import InvalidRequestError, SpecserveError
 from specserve.metrics import ServerMetrics
 from specserve.sampling import SamplingParams
+from specserve.server import protocol
 
 logger = logging.getLogger("specserve.server")
 
-MAX_N = 64  # choices per request
 _json = msgspec.json.Encoder()  # compact: no spaces, as SSE events should be
 
 
@@ -53,8 +52,11 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.Response(status=self.status, body=_json.encode(self.body()), content_type="application/json",
+        resp = web.Response(status=self.status, body=_json.encode(self.body()), content_type="application/json",
                             headers=self.headers)
+        if self.status in (408, 413):   # the rest of the body is not read: the connection cannot go on
+            resp.force_close()
+        return resp
 
 
 def _shutting_down() -> ApiError:
@@ -69,6 +71,7 @@ class ServerState:
     model_name: str
     metrics: ServerMetrics
     async_engine: AsyncEngine | None = None
+    max_token_bytes: int = 1   # the longest vocabulary entry in UTF-8 bytes: bytes of text per token at most
     draining: bool = False
     num_inflight: int = 0
     idle: asyncio.Event | None = None  # set while num_inflight == 0
@@ -80,16 +83,6 @@ STATE = web.AppKey("specserve_state", ServerState)
 # -- request parsing --------------------------------------------------------------------------
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _get(body: dict, name: str, default=None):
-    """A field's value; null counts as absent (clients send null for 'not given')."""
-    value = body.get(name)
-    return default if value is None else value
-
-
 @dataclass
 class Choice:  # one engine request
     index: int
@@ -98,107 +91,82 @@ class Choice:  # one engine request
     params: SamplingParams
 
 
-def _chat_prompt(tokenizer, body: dict) -> list[int]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    rendered = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
-        content = m.get("content")
-        if content is None:
-            content = ""
-        elif isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            parts = []
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise ApiError(400, f"messages[{i}].content[{j}] must be a text part "
-                                        f'{{"type": "text", "text": "..."}}; other part types are not supported',
-                                   f"messages[{i}].content")
-                parts.append(part["text"])
-            content = "".join(parts)
-        elif not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts, got "
-                                f"{type(content).__name__}", f"messages[{i}].content")
-        rendered.append({"role": m["role"], "content": content})
+# Prompts longer than this (characters in all) are tokenized on a worker thread, so that the
+# event loop keeps serving streams and /health meanwhile.
+_INLINE_TEXT = 16384
+
+
+def _tokenize(tokenizer, req: protocol.ChatRequest | protocol.CompletionRequest, chat: bool) -> list[list[int]]:
+    if not chat:
+        prompts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
+        return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+    rendered = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
+                 "".join(part.text for part in m.content or [])} for m in req.messages]
     try:
         text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # a template that rejects the conversation (roles, order)
         raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
-    # The template writes the special tokens (BOS) itself.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return [tokenizer.encode(text, add_special_tokens=False)]   # the template writes BOS itself
 
 
-def _completion_prompts(tokenizer, body: dict) -> list[list[int]]:
-    prompt = body.get("prompt")
-    why = "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids"
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(
-        isinstance(p, str) or (isinstance(p, list) and all(_is_int(t) for t in p)) for p in prompt
-    ):
-        prompts = prompt
-    else:
-        raise ApiError(400, f"{why}, got {json.dumps(prompt)[:80]}", "prompt")
-    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+def _text_size(req, chat: bool) -> int:
+    """Characters of text to tokenize (of the largest prompt, for completions)."""
+    if chat:
+        return sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content or [])
+                   for m in req.messages)
+    if isinstance(req.prompt, str):
+        return len(req.prompt)
+    return max((len(p) for p in req.prompt if isinstance(p, str)), default=0)
 
 
-def _parse(state: ServerState, body: dict, chat: bool) -> tuple[list[Choice], bool, bool]:
+async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choice], bool, bool]:
     """-> (choices, stream, include_usage). Raises ApiError naming the field and what is allowed."""
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError(400, f"model must be a string, got {model!r}", "model")
-    if model is not None and model != state.model_name:
-        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{state.model_name}'",
+    try:
+        req = protocol.parse(raw, chat)
+    except protocol.ProtocolError as e:
+        raise ApiError(400, e.message, e.param) from None
+    if req.model is not None and req.model != state.model_name:
+        raise ApiError(404, f"the model '{req.model}' does not exist; this server serves '{state.model_name}'",
                        "model", code="model_not_found")
-    stream = _get(body, "stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")
-    options = _get(body, "stream_options", {})
-    if not isinstance(options, dict) or not isinstance(_get(options, "include_usage", False), bool):
-        raise ApiError(400, f"stream_options must be an object like {{\"include_usage\": true}}, got {options!r}",
-                       "stream_options")
-    include_usage = stream and _get(options, "include_usage", False)
-    n = _get(body, "n", 1)
-    if not _is_int(n) or not 1 <= n <= MAX_N:
-        raise ApiError(400, f"n must be an integer in [1, {MAX_N}], got {n!r}", "n")
-
-    max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = body.get(max_name)
-    stop = _get(body, "stop", [])
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise ApiError(400, f"seed must be null or an integer, got {seed!r}", "seed")
-
     tokenizer = state.engine.tokenizer
-    prompts = [_chat_prompt(tokenizer, body)] if chat else _completion_prompts(tokenizer, body)
+    size = _text_size(req, chat)
+    if size > state.engine.max_model_len * state.max_token_bytes:
+        # A token covers at most max_token_bytes bytes of text: so many cannot fit the context,
+        # and tokenizing them would only cost time and memory.
+        raise ApiError(400, f"this model's maximum context length is {state.engine.max_model_len} tokens; the "
+                            f"prompt's {size} characters need more", "messages" if chat else "prompt",
+                       code="context_length_exceeded")
+    if size > _INLINE_TEXT:
+        prompts = await asyncio.to_thread(_tokenize, tokenizer, req, chat)
+    else:
+        prompts = _tokenize(tokenizer, req, chat)
+    if len(prompts) * req.n > protocol.MAX_CHOICES:
+        raise ApiError(400, f"{len(prompts)} prompts x n = {req.n} make {len(prompts) * req.n} completions; at most "
+                            f"{protocol.MAX_CHOICES} per request", "n")
+    max_name = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(req, max_name)
     max_model_len = state.engine.max_model_len
     choices = []
     for p, prompt_ids in enumerate(prompts):
         # Absent max_tokens: the room left in the context. At least 1, so that a prompt that
         # fills the context gets the engine's own "maximum context length" error.
         budget = max_tokens if max_tokens is not None else max(1, max_model_len - len(prompt_ids))
-        for i in range(n):
+        for i in range(req.n):
             try:
                 params = SamplingParams(
-                    max_tokens=budget,
-                    temperature=_get(body, "temperature", 1.0),
-                    top_p=_get(body, "top_p", 1.0),
-                    top_k=_get(body, "top_k", 0),
-                    seed=None if seed is None else seed + i,
-                    stop=stop,
-                    ignore_eos=_get(body, "ignore_eos", False),
-                )
+                    max_tokens=budget, temperature=1.0 if req.temperature is None else req.temperature,
+                    top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+                    seed=None if req.seed is None else (req.seed + i) % 2**64, stop=req.stops,
+                    stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+                    min_tokens=min(req.min_tokens, budget))
             except InvalidRequestError as e:
                 param = max_name if e.param == "max_tokens" else e.param
                 raise ApiError(400, str(e).replace("max_tokens", max_name, 1), param) from None
-            choices.append(Choice(p * n + i, p, prompt_ids, params))
-    return choices, stream, include_usage
+            choices.append(Choice(p * req.n + i, p, prompt_ids, params))
+    include_usage = req.stream and req.stream_options is not None and req.stream_options.include_usage
+    return choices, req.stream, include_usage
 
 
 # -- running requests -------------------------------------------------------------------------
@@ -229,17 +197,22 @@ class _Run:
                 code = "context_length_exceeded" if "context length" in str(r) or "KV cache" in str(r) else None
                 raise ApiError(400, str(r), param, code=code)
             if isinstance(r, EngineDeadError):
-                raise ApiError(503, str(r), type="service_unavailable", code="engine_dead")
+                raise ApiError(503, str(r), type="service_unavailable", code="engine_unavailable")
             if isinstance(r, StopAsyncIteration):  # cannot happen: the last output is always yielded
                 raise ApiError(500, "the engine returned no output", type="internal_error")
             if isinstance(r, BaseException):
                 raise r
+            if r.finish_reason == "error":
+                raise ApiError(500, f"the engine failed this request: {r.error}", type="internal_error",
+                               code="request_failed")
         self.state.metrics.prompt_tokens.inc(self.usage()["prompt_tokens"])
         for i, out in enumerate(results):
             self.observe(i, out)
         return results
 
     def observe(self, i: int, out: RequestOutput) -> None:
+        if out.finish_reason == "error":
+            raise RequestFailedError(out.error)
         now, m = time.monotonic(), self.state.metrics
         k = len(out.new_token_ids)
         if k:
@@ -309,31 +282,39 @@ class _Run:
 # -- handlers ---------------------------------------------------------------------------------
 
 
-async def _read_json(request: web.Request) -> dict:
-    raw = await request.read()
+async def _read_body(request: web.Request) -> bytes:
+    """The body, within the server's body timeout (a client that drips it is answered 408)."""
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-    return body
+        return await asyncio.wait_for(request.read(), request.app[STATE].cfg.server.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {request.app[STATE].cfg.server.body_timeout_s:g} "
+                            "s", code="body_timeout") from None
 
 
 def _check_serving(state: ServerState) -> None:
     if state.draining:
         raise _shutting_down()
-    if state.async_engine is None or not state.async_engine.is_alive:
-        raise ApiError(503, f"the engine is not running: {state.async_engine and state.async_engine.error!r}",
-                       type="service_unavailable", code="engine_dead")
+    engine = state.async_engine
+    if engine is None or not engine.is_alive:
+        why = "it is restarting after an error" if engine is not None and engine.restarting else "it is not running"
+        raise ApiError(503, f"the engine cannot take requests now: {why}; retry shortly",
+                       type="service_unavailable", code="engine_unavailable")
+
+
+class RequestFailedError(Exception):
+    """The engine failed this request alone (finish_reason "error")."""
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
     try:
         _check_serving(state)
-        body = await _read_json(request)
-        choices, stream, include_usage = _parse(state, body, chat)
+        choices, stream, include_usage = await _parse(state, await _read_body(request), chat)
+        waiting, limit = state.async_engine.num_waiting(), state.cfg.scheduler.max_waiting_requests
+        if waiting + len(choices) > limit:
+            raise ApiError(429, f"{waiting} requests are waiting and this one adds {len(choices)}; at most {limit} "
+                                "may wait (scheduler.max_waiting_requests); try again later",
+                           type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
     except ApiError as e:
         return e.response()
     state.num_inflight += 1
@@ -349,13 +330,19 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             return await _stream(request, run, firsts, include_usage)
         try:
             return await _complete(run, firsts)
-        except EngineDeadError as e:
-            return ApiError(503, str(e), type="service_unavailable", code="engine_dead").response()
+        except (EngineDeadError, RequestFailedError) as e:
+            return _stream_error(e).response()
     finally:
         await run.close()
         state.num_inflight -= 1
         if state.num_inflight == 0:
             state.idle.set()
+
+
+def _stream_error(e: Exception) -> ApiError:
+    if isinstance(e, RequestFailedError):
+        return ApiError(500, f"the engine failed this request: {e}", type="internal_error", code="request_failed")
+    return ApiError(503, str(e), type="service_unavailable", code="engine_unavailable")
 
 
 def _header(run: _Run) -> dict:
@@ -424,10 +411,9 @@ async def _stream(request: web.Request, run: _Run, firsts: list[RequestOutput], 
         await resp.write_eof()
     except (ConnectionResetError, ConnectionError):
         logger.info("client went away mid-stream; its requests are aborted")
-    except EngineDeadError as e:  # headers are sent: report it in the stream
-        err = ApiError(503, str(e), type="service_unavailable", code="engine_dead")
+    except (EngineDeadError, RequestFailedError) as e:  # headers are sent: the error goes in the stream
         try:
-            await resp.write(b"data: " + _json.encode(err.body()) + b"\n\ndata: [DONE]\n\n")
+            await resp.write(b"data: " + _json.encode(_stream_error(e).body()) + b"\n\ndata: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionError:
             pass
@@ -473,7 +459,10 @@ async def handle_set_speculation(request: web.Request) -> web.Response:
     way). 200 with the new setting, 400 naming what cannot be."""
     state = request.app[STATE]
     _check_serving(state)
-    body = await _read_json(request)
+    try:
+        body = protocol.decode_object(await _read_body(request))
+    except protocol.ProtocolError as e:
+        raise ApiError(400, e.message, e.param) from None
     unknown = sorted(set(body) - {"mode", "depth"})
     if unknown:
         raise ApiError(400, f"unknown field(s) {', '.join(map(repr, unknown))}: /admin/speculation takes 'mode' "
@@ -516,8 +505,9 @@ def model_name(cfg: EngineConfig) -> str:
 
 def create_app(engine: LLMEngine, cfg: EngineConfig) -> web.Application:
     """The app for an engine; the AsyncEngine starts and stops with the app (on its loop)."""
-    state = ServerState(engine=engine, cfg=cfg, model_name=model_name(cfg), metrics=ServerMetrics(engine))
-    app = web.Application(middlewares=[_errors], client_max_size=64 * 2**20)
+    state = ServerState(engine=engine, cfg=cfg, model_name=model_name(cfg), metrics=ServerMetrics(engine),
+                        max_token_bytes=max(len(t.encode("utf-8", "replace")) for t in engine.tokenizer.get_vocab()))
+    app = web.Application(middlewares=[_errors], client_max_size=protocol.MAX_BODY_BYTES)
     app[STATE] = state
 
     async def start_engine(app: web.Application) -> None:
@@ -546,20 +536,51 @@ def create_app(engine: LLMEngine, cfg: EngineConfig) -> web.Application:
 
 async def drain(app: web.Application, timeout_s: float) -> int:
     """Stop accepting (new requests and /health get 503) and wait up to timeout_s for the
-    requests in flight to finish. Returns how many were still running."""
+    requests in flight to finish; the streams still running then end with an error event and
+    [DONE]. Returns how many requests were still running at the timeout."""
     state = app[STATE]
     state.draining = True
     try:
         await asyncio.wait_for(state.idle.wait(), timeout_s)
     except asyncio.TimeoutError:
         pass
-    return state.num_inflight
+    left = state.num_inflight
+    if left and state.async_engine is not None:
+        state.async_engine.fail_all(EngineDeadError(f"the server is shutting down; this request did not finish "
+                                                    f"within the {timeout_s:g} s drain"))
+        try:   # their handlers write the error event and [DONE]
+            await asyncio.wait_for(state.idle.wait(), 5.0)
+        except asyncio.TimeoutError:
+            pass
+    return left
+
+
+class _Runner(web.AppRunner):
+    """An AppRunner whose server closes connections beyond [server] max_connections at once."""
+
+    async def _make_server(self):
+        server = await super()._make_server()
+        limit = self.app[STATE].cfg.server.max_connections
+        made = server.connection_made
+
+        def connection_made(handler, transport) -> None:
+            made(handler, transport)
+            if len(server.connections) > limit:
+                transport.close()
+
+        server.connection_made = connection_made
+        return server
 
 
 def make_runner(app: web.Application, shutdown_timeout_s: float = 1.0) -> web.AppRunner:
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its
-    # requests even while they wait in the queue.
-    return web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout_s, access_log=None)
+    # requests even while they wait in the queue. keepalive_timeout closes a connection that
+    # sends no complete request head for that long (from its start or since its last
+    # response): slow or idle clients hold nothing for ever.
+    # lingering_time: after an early answer (408, 413) the rest of a body is drained for at most
+    # a second before the connection closes.
+    return _Runner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout_s, access_log=None,
+                   keepalive_timeout=app[STATE].cfg.server.idle_timeout_s, lingering_time=1.0)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -56,7 +56,7 @@ CASES = [
     ("/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", ["'hot'"]),
     ("/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", ["(0, 1]"]),
     ("/completions", {"prompt": "x", "top_k": -2}, 400, "top_k", ["top_k"]),
-    ("/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", [">= 1"]),
+    ("/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", ["[1, 1048576]", "got 0"]),
     ("/chat/completions", {"messages": CHAT, "max_completion_tokens": "5"}, 400, "max_completion_tokens",
      ["max_completion_tokens"]),
     ("/completions", {"prompt": "x", "n": 0}, 400, "n", ["[1, 64]"]),
@@ -68,7 +68,12 @@ CASES = [
     ("/completions", {"prompt": [1, 2, 100000]}, 400, "prompt", ["[0, 400)"]),
     ("/completions", {"prompt": ""}, 400, "prompt", ["empty"]),
     ("/chat/completions", {"messages": []}, 400, "messages", ["non-empty"]),
-    ("/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", ["int"]),
+    ("/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", ["got 5"]),
+    ("/completions", {"prompt": "x", "top_k": 2**70}, 400, "top_k", ["top_k"]),
+    ("/completions", {"prompt": "x", "stop_token_ids": [2**65]}, 400, "stop_token_ids", ["token ids"]),
+    ("/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", ["not implemented"]),
+    ("/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", ["not implemented"]),
+    ("/completions", {"prompt": ["a", "b", "c"], "n": 30}, 400, "n", ["at most 64"]),
     ("/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      400, "messages[0].content", ["text part"]),
     ("/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model", ["gpt-9", "does not exist"]),
@@ -88,7 +93,8 @@ def test_bad_request_then_good(srv, path, body, status, param, contains):
     good(srv)
 
 
-@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b'{"prompt": "\\ud800"}',
+                                 b"[" * 100000 + b"]" * 100000])
 def test_invalid_json_body(srv, raw):
     status, _, body = post(srv, "/completions", raw, raw=True)
     assert status == 400 and body["error"]["type"] == "invalid_request_error", body

@@ -1,0 +1,240 @@
+"""The OpenAI request bodies as msgspec Structs with a bound on every field (DESIGN.md §7).
+
+`parse(raw, chat)` decodes a body or raises `ProtocolError`: a 400 naming the field, its value
+(abbreviated) and what is allowed. Bodies are bounded in size (the app's client_max_size, a
+413) and in nesting (MAX_DEPTH). Fields the service does not implement are refused with a 400
+naming them, unless they hold the value that changes nothing (a penalty of 0, no tools);
+unknown fields that change nothing (`user`, `metadata`) are accepted, as OpenAI's clients
+send them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta, Struct
+
+from specserve.sampling import MAX_SEED, MAX_TEMPERATURE, MIN_SEED
+
+MAX_BODY_BYTES = 4 * 2**20      # a prompt of about a million tokens
+MAX_DEPTH = 16                  # nesting of arrays and objects; the deepest valid body has 5
+MAX_CHOICES = 64                # prompts x n in one request
+MAX_TOKENS = 2**20
+MAX_STOPS, MAX_STOP_CHARS = 4, 256   # as OpenAI: up to 4 stop sequences
+MAX_STOP_TOKEN_IDS = 64
+MAX_MESSAGES = 1024
+MAX_NAME = 256                  # model names, roles, user ids
+
+Name = Annotated[str, Meta(max_length=MAX_NAME)]
+Stop = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+Tokens = Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+
+# What each field allows, in words, for the error messages.
+ALLOWED = {
+    "model": f"a string of at most {MAX_NAME} characters",
+    "user": f"a string of at most {MAX_NAME} characters",
+    "stream": "true or false", "include_usage": "true or false", "ignore_eos": "true or false", "echo": "false",
+    "stream_options": 'an object like {"include_usage": true}',
+    "n": f"an integer in [1, {MAX_CHOICES}]",
+    "max_tokens": f"null or an integer in [1, {MAX_TOKENS}]",
+    "max_completion_tokens": f"null or an integer in [1, {MAX_TOKENS}]",
+    "min_tokens": f"an integer in [0, {MAX_TOKENS}]",
+    "temperature": f"a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)",
+    "top_p": "a number in (0, 1]",
+    "top_k": "an integer >= 1, or 0 or -1 for no top-k",
+    "seed": f"null or an integer in [{MIN_SEED}, {MAX_SEED}]",
+    "stop": f"a non-empty string of at most {MAX_STOP_CHARS} characters, or a list of at most {MAX_STOPS} of them",
+    "stop_token_ids": f"a list of at most {MAX_STOP_TOKEN_IDS} token ids",
+    "prompt": ("a string, a list of strings, a list of token ids or a list of lists of token ids, with "
+               f"at most {MAX_CHOICES} prompts"),
+    "messages": f"a non-empty list of at most {MAX_MESSAGES} objects like {{\"role\": \"user\", \"content\": \"...\"}}",
+    "role": f"a string of at most {MAX_NAME} characters",
+    "content": 'a string, null, or a list of text parts {"type": "text", "text": "..."}',
+    "type": "a string", "text": "a string",
+}
+
+# Fields this server does not implement, and the value of each that changes nothing.
+NOT_IMPLEMENTED = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}), "suffix": (None, ""),
+    "best_of": (None, 1), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+}
+
+
+class ProtocolError(Exception):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+class StreamOptions(Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class _Request(Struct, kw_only=True):
+    model: Name | None = None
+    user: Name | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] = 1
+    max_tokens: Tokens | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] = 0
+    temperature: Annotated[float, Meta(ge=0.0, le=MAX_TEMPERATURE)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
+    seed: int | None = None      # checked against [MIN_SEED, MAX_SEED] by _check_numbers
+    stop: Stop | Annotated[list[Stop], Meta(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    ignore_eos: bool = False
+    # Not implemented (NOT_IMPLEMENTED): held only to be refused unless neutral.
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: Any = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_Request, kw_only=True):
+    prompt: str | list[Any]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class Message(Struct, kw_only=True):
+    role: Name
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(_Request, kw_only=True):
+    messages: Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: Tokens | None = None
+
+
+def _depth(obj: Any, limit: int) -> bool:
+    """Whether obj nests arrays and objects deeper than `limit`."""
+    if limit < 0:
+        return True
+    if isinstance(obj, dict):
+        return any(_depth(v, limit - 1) for v in obj.values())
+    if isinstance(obj, list):
+        return any(_depth(v, limit - 1) for v in obj)
+    return False
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 5] + "...'" if text[0] == "'" else text[: limit - 3] + "..."
+
+
+def _lookup(obj: Any, path: list[str | int]) -> Any:
+    for part in path:
+        try:
+            obj = obj[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return obj
+
+
+def decode_object(raw: bytes) -> dict:
+    """A body as a JSON object, bounded in nesting; null fields dropped (OpenAI's clients send
+    null for "not given")."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"the request body is not valid JSON (UTF-8 text, no lone surrogates): {e}") from None
+    except RecursionError:
+        body = None
+    if body is None or _depth(body, MAX_DEPTH):
+        raise ProtocolError(f"the request body nests arrays and objects deeper than {MAX_DEPTH} levels")
+    if not isinstance(body, dict):
+        raise ProtocolError(f"the request body must be a JSON object, got {type(body).__name__}")
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def parse(raw: bytes, chat: bool) -> ChatRequest | CompletionRequest:
+    """Decode a request body, or raise ProtocolError naming what is wrong."""
+    body = decode_object(raw)
+    try:
+        req = msgspec.convert(body, ChatRequest if chat else CompletionRequest)
+    except msgspec.ValidationError as e:
+        raise _explain(e, body) from None
+    for name, neutral in NOT_IMPLEMENTED.items():
+        value = getattr(req, name, None)
+        if not any(value == v and type(value) is type(v) or value is v for v in neutral):
+            raise ProtocolError(f"{name} = {_short(value)}: '{name}' is not implemented by this server", name)
+    if chat:
+        for i, m in enumerate(req.messages):
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                if part.type != "text" or part.text is None:
+                    raise ProtocolError(f"messages[{i}].content[{j}] must be a text part "
+                                        f'{{"type": "text", "text": "..."}}; other part types are not supported',
+                                        f"messages[{i}].content")
+    else:
+        _check_prompt(req.prompt)
+    if req.seed is not None and not MIN_SEED <= req.seed <= MAX_SEED:   # wider than an int64 bound
+        raise ProtocolError(f"seed must be {ALLOWED['seed']}, got {_short(req.seed)}", "seed")
+    return req
+
+
+def _check_prompt(prompt: str | list[Any]) -> None:
+    why = ALLOWED["prompt"]
+    if isinstance(prompt, str):
+        return
+    ok = bool(prompt) and (
+        all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        or len(prompt) <= MAX_CHOICES and (
+            all(isinstance(p, str) for p in prompt)
+            or all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                   for p in prompt)))
+    if not ok:
+        raise ProtocolError(f"prompt must be {why}, got {_short(prompt)}", "prompt")
+
+
+_PATH = re.compile(r" - at `\$(.*)`$")
+
+
+def _param(parts: list[str | int]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(parts))
+
+
+def _explain(error: msgspec.ValidationError, body: dict) -> ProtocolError:
+    """msgspec's "Expected `int` >= 1 - at `$.n`" as "n must be an integer in [1, 64], got 0"."""
+    text = str(error)
+    m = _PATH.search(text)
+    missing = re.search(r"missing required field `(\w+)`", text)
+    if missing:
+        name = missing.group(1)
+        return ProtocolError(f"missing '{name}': {ALLOWED.get(name, 'required')}", name)
+    if not m:
+        return ProtocolError(f"invalid request: {text}")
+    parts: list[str | int] = [name or int(index) for name, index in re.findall(r"\.(\w+)|\[(\d+)\]", m.group(1))]
+    param = _param(parts)
+    field = next((p for p in reversed(parts) if isinstance(p, str)), "")
+    top = next((p for p in parts if isinstance(p, str)), field)
+    allowed = ALLOWED.get(field) or ALLOWED.get(top) or text[: m.start()]
+    if isinstance(parts[-1], int) and top in ("stop", "stop_token_ids", "prompt"):
+        param = top   # an element of a list: the list is the parameter
+    if top == "messages" and field in ("role", "content", "type", "text"):
+        param = _param(parts[:3])
+    return ProtocolError(f"{param} must be {allowed}, got {_short(_lookup(body, parts))}", param)
