@@ -47,10 +47,14 @@ def cmd_generate(args) -> int:
     from specserve.llm import LLM
     from specserve.sampling import SamplingParams
 
+    from specserve import config as config_mod
+
+    prompts = args.prompt or ["def fibonacci(n):"]
     cfg = _engine_config(args)
+    # The prompts run together: no batch is ever larger, so the controller probes no larger one.
+    cfg = config_mod.with_overrides(cfg, max_num_seqs=min(cfg.scheduler.max_num_seqs, len(prompts)))
     print(f"target: {cfg.target.path}\ndraft:  {cfg.draft.kind} {cfg.draft.path or ''}", file=sys.stderr)
     llm = LLM(cfg)
-    prompts = args.prompt or ["def fibonacci(n):"]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
     start = time.perf_counter()

@@ -4,7 +4,7 @@ A probe times bare forwards of dummy sequences: the target's verify pass for eve
 bucket (powers of two up to max_num_seqs) at a few row counts per sequence, and one draft
 level per bucket. It takes a few seconds; the controller learns the rest online from the
 steps it serves. Its dummy rows write no KV (slot -1), so a probe never touches a sequence's
-cache. `specserve calibrate` runs a longer probe (every row count, more repeats) and keeps it
+cache. `specserve calibrate` runs a longer probe (every row count, five runs each) and keeps it
 in the user's cache directory, keyed by everything that changes the costs: the checkpoints,
 device, dtype, threads and this code's version. A profile that is missing, stale or
 unreadable is ignored (and said so), never fatal.
@@ -114,9 +114,9 @@ def probe(engine, buckets: list[int], max_rows: int, thorough: bool = False,
     """Time the target at `buckets` x rows per sequence and the draft at one row per sequence,
     all at `context` cached tokens a sequence; and the target at 1 and max_rows rows at `longer`
     tokens, for what a cached token adds. Quick: rows 1, 2, 3, 5, 9, max_rows (the rest
-    interpolated), the least of 2 runs after a warm-up; thorough: every row count, the least of 5."""
+    interpolated), one run after a warm-up; thorough: every row count, the least of 5 runs."""
     rows = range(1, max_rows + 1) if thorough else sorted({r for r in (1, 2, 3, 5, 9) if r <= max_rows} | {max_rows})
-    repeats = 5 if thorough else 2
+    repeats = 5 if thorough else 1
     budget = engine.config.scheduler.max_num_batched_tokens
     block_size, num_blocks = engine.pool.block_size, engine.pool.num_blocks
     strewn = list(range(num_blocks))
