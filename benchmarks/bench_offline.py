@@ -113,11 +113,9 @@ def main() -> None:
                                                           spec_tree="dynamic", spec__num_nodes=12, spec__topk=3)),
             ]
         settings.append(("specserve, adaptive", dict(draft=args.draft, spec_mode="adaptive")))
-    # One engine per setting and thread count. Each gets `cpu_threads`, so forwards of fewer
-    # than `cpu_parallel_min_rows` rows run on one thread (config.py); transformers runs
-    # with the process's thread count, set before each run. A small pool: batch 1-16 of a
-    # few hundred tokens needs far fewer blocks than the default sizing, and 20-odd
-    # engines live at once.
+    # One engine per setting and thread count; transformers runs with the process's thread
+    # count, set before each run. A small pool: batch 1-16 of a few hundred tokens needs far
+    # fewer blocks than the default sizing, and 20-odd engines live at once.
     engines = {(name, t): LLM(target=args.target, dtype="float32", progress=False, cpu_threads=t,
                               num_blocks=1024, **kw)
                for t in thread_counts for name, kw in settings}
@@ -177,8 +175,22 @@ def main() -> None:
         ratio = lambda base: f"{r['tokens_per_s'] / base:.2f}x" if base else "-"  # noqa: E731
         print(f"| {r['engine']} | {r['batch']} | {r['threads']} | {r['tokens_per_s']:.1f} | {tpp} | "
               f"{ratio(plain)} | {ratio(assisted)} |")
+    # Adaptive against transformers assisted, round by round: both ran in the same round, so
+    # a slow spell of the machine cancels in their ratio; mean and standard error over rounds.
+    paired = []
+    for (name, batch, t), ours in samples.items():
+        theirs = samples.get(("transformers assisted generation (request by request)", batch, t))
+        if name != "specserve, adaptive" or not theirs:
+            continue
+        clock = "cpu_s" if t == 1 else "wall_s"
+        ratios = [(a["tokens"] / a[clock]) / (b["tokens"] / b[clock]) for a, b in zip(ours, theirs)]
+        mean = sum(ratios) / len(ratios)
+        se = (sum((x - mean) ** 2 for x in ratios) / max(len(ratios) - 1, 1) / len(ratios)) ** 0.5
+        paired.append(dict(batch=batch, threads=t, ratios=ratios, mean=mean, se=se))
+        print(f"adaptive / transformers assisted, batch {batch}, {t} threads, per round: "
+              f"{', '.join(f'{x:.2f}' for x in ratios)}; mean {mean:.2f}x +- {se:.2f} (SE)")
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(machine=machine, commit=commit, rows=rows), indent=2))
+        Path(args.out).write_text(json.dumps(dict(machine=machine, commit=commit, rows=rows, paired=paired), indent=2))
 
 
 if __name__ == "__main__":

@@ -190,7 +190,7 @@ def _plot(results: dict[str, list[dict]], path: Path) -> None:
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("concurrency")
         ax.set_ylabel("tokens/s over the best static depth")
-        ax.set_ylim(0.4, 1.05)
+        ax.set_ylim(0.4, 1.1)
     axes[0][0].legend(loc="lower left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
