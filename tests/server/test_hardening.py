@@ -95,6 +95,31 @@ MESSAGE = st.one_of(st.fixed_dictionaries({"role": st.sampled_from(["user", "sys
 COMPLETION = st.fixed_dictionaries({}, optional={"prompt": PROMPT, **SAMPLING})
 CHAT = st.fixed_dictionaries({}, optional={"messages": st.one_of(st.lists(MESSAGE, max_size=3), anything),
                                            "max_completion_tokens": st.one_of(small, anything), **SAMPLING})
+# Valid bodies (of a few tokens each), and valid bodies with one field made anything: without
+# them almost every fuzzed body is a 400, and the paths that generate (streams, n > 1, stops)
+# go untried.
+VALID = {
+    "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1),
+    "top_k": st.integers(-1, 60), "n": st.integers(1, 3), "seed": st.integers(0, 2**63),
+    "stop": st.one_of(st.text(min_size=1, max_size=4), st.lists(st.text(min_size=1, max_size=20), max_size=4)),
+    "stop_token_ids": st.lists(st.integers(0, 400), max_size=3), "min_tokens": st.integers(0, 3),
+    "ignore_eos": st.booleans(), "stream": st.booleans(), "stream_options": st.just({"include_usage": True}),
+    "model": st.just("target"),
+}
+VALID_COMPLETION = st.fixed_dictionaries(
+    {"prompt": st.one_of(st.text(min_size=1, max_size=40), st.lists(st.integers(0, 400), min_size=1, max_size=12),
+                         st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=3)),
+     "max_tokens": st.integers(1, 6)}, optional=VALID)
+VALID_CHAT = st.fixed_dictionaries(
+    {"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]),
+                                                 "content": st.text(max_size=30)}), min_size=1, max_size=3),
+     "max_tokens": st.integers(1, 6)}, optional=VALID)
+
+
+def one_field_wrong(valid, fields):
+    return st.tuples(valid, st.sampled_from(sorted(fields)), anything).map(lambda t: {**t[0], t[1]: t[2]})
+
+
 RAW = st.sampled_from([b"", b"{", b"[]", b"null", b"\xff\xfe{}", b"[" * 200 + b"]" * 200,
                        b'{"prompt": "x"' + b', "a": [' * 40 + b"]" * 40 + b"}", b'{"prompt": 1e999}'])
 
@@ -118,8 +143,11 @@ FUZZ_EXAMPLES = int(os.environ.get("SPECSERVE_FUZZ_EXAMPLES", "2000"))
 
 @settings(max_examples=FUZZ_EXAMPLES, derandomize=True, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
-@given(st.one_of(st.tuples(st.just("/v1/completions"), COMPLETION), st.tuples(st.just("/v1/chat/completions"), CHAT),
-                 st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), RAW)))
+@given(st.one_of(
+    st.tuples(st.just("/v1/completions"), st.one_of(VALID_COMPLETION, one_field_wrong(VALID_COMPLETION, SAMPLING),
+                                                    COMPLETION)),
+    st.tuples(st.just("/v1/chat/completions"), st.one_of(VALID_CHAT, one_field_wrong(VALID_CHAT, SAMPLING), CHAT)),
+    st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), RAW)))
 def test_fuzzed_bodies_never_get_a_5xx(fuzz_server, case):
     path, body = case
     conn = getattr(fuzz_server, "conn", None) or Conn(fuzz_server)
