@@ -94,12 +94,38 @@ class Choice:  # one engine request
 # Prompts longer than this (characters in all) are tokenized on a worker thread, so that the
 # event loop keeps serving streams and /health meanwhile.
 _INLINE_TEXT = 16384
+# Text longer than this is first counted piece by piece, at most this many characters a piece:
+# a tokenizer's encoding of a 4 MiB prompt (ids, offsets, token strings) takes hundreds of MiB,
+# while counting stops as soon as the pieces need more tokens than the context holds. A piece
+# boundary can change the count by a few tokens, so each piece's count is taken _SLACK lower.
+_PIECE, _SLACK = 65536, 8
 
 
-def _tokenize(tokenizer, req: protocol.ChatRequest | protocol.CompletionRequest, chat: bool) -> list[list[int]]:
+def _context_error(max_model_len: int, what: str, chat: bool) -> ApiError:
+    return ApiError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt {what}",
+                    "messages" if chat else "prompt", code="context_length_exceeded")
+
+
+def _encode(tokenizer, text: str, max_model_len: int, chat: bool, **kwargs) -> list[int]:
+    if len(text) > _PIECE:
+        count, start = 0, 0
+        while start < len(text):
+            end = min(start + _PIECE, len(text))
+            if end < len(text):   # cut after whitespace where there is some, as pre-tokenizers split
+                cut = max(text.rfind(" ", start, end), text.rfind("\n", start, end))
+                end = cut + 1 if cut > start else end
+            count += max(0, len(tokenizer.encode(text[start:end], add_special_tokens=False)) - _SLACK)
+            if count > max_model_len:
+                raise _context_error(max_model_len, f"needs more than {count} tokens", chat)
+            start = end
+    return tokenizer.encode(text, **kwargs)
+
+
+def _tokenize(tokenizer, req: protocol.ChatRequest | protocol.CompletionRequest, chat: bool,
+              max_model_len: int) -> list[list[int]]:
     if not chat:
         prompts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
-        return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return [_encode(tokenizer, p, max_model_len, chat) if isinstance(p, str) else list(p) for p in prompts]
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
     rendered = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
@@ -108,7 +134,7 @@ def _tokenize(tokenizer, req: protocol.ChatRequest | protocol.CompletionRequest,
         text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # a template that rejects the conversation (roles, order)
         raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
-    return [tokenizer.encode(text, add_special_tokens=False)]   # the template writes BOS itself
+    return [_encode(tokenizer, text, max_model_len, chat, add_special_tokens=False)]  # the template writes BOS
 
 
 def _text_size(req, chat: bool) -> int:
@@ -132,22 +158,20 @@ async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choic
                        "model", code="model_not_found")
     tokenizer = state.engine.tokenizer
     size = _text_size(req, chat)
-    if size > state.engine.max_model_len * state.max_token_bytes:
+    max_model_len = state.engine.max_model_len
+    if size > max_model_len * state.max_token_bytes:
         # A token covers at most max_token_bytes bytes of text: so many cannot fit the context,
         # and tokenizing them would only cost time and memory.
-        raise ApiError(400, f"this model's maximum context length is {state.engine.max_model_len} tokens; the "
-                            f"prompt's {size} characters need more", "messages" if chat else "prompt",
-                       code="context_length_exceeded")
+        raise _context_error(max_model_len, f"has {size} characters: more than so many tokens can hold", chat)
     if size > _INLINE_TEXT:
-        prompts = await asyncio.to_thread(_tokenize, tokenizer, req, chat)
+        prompts = await asyncio.to_thread(_tokenize, tokenizer, req, chat, max_model_len)
     else:
-        prompts = _tokenize(tokenizer, req, chat)
+        prompts = _tokenize(tokenizer, req, chat, max_model_len)
     if len(prompts) * req.n > protocol.MAX_CHOICES:
         raise ApiError(400, f"{len(prompts)} prompts x n = {req.n} make {len(prompts) * req.n} completions; at most "
                             f"{protocol.MAX_CHOICES} per request", "n")
     max_name = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(req, max_name)
-    max_model_len = state.engine.max_model_len
     choices = []
     for p, prompt_ids in enumerate(prompts):
         # Absent max_tokens: the room left in the context. At least 1, so that a prompt that

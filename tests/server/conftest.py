@@ -24,7 +24,7 @@ class ServerThread:
     """create_app + AppRunner + TCPSite(127.0.0.1, port 0) on a loop of its own."""
 
     def __init__(self, engine: LLMEngine, cfg):
-        from server.app import create_app, make_runner
+        from specserve.server.app import create_app, make_runner
 
         self.engine, self.cfg = engine, cfg
         self.app = create_app(engine, cfg)

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specserve.engine import LLMEngine
+from specserve.server.app import STATE
 from tests.server.conftest import ServerThread, engine_config, wait_until
 
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -290,6 +291,30 @@ def _rss_mib() -> float:
         return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1)) / 1024
 
 
+class _WordTokenizer:
+    """A token a word; records the longest text it was asked to encode."""
+
+    def __init__(self):
+        self.longest = 0
+
+    def encode(self, text, add_special_tokens=True):
+        self.longest = max(self.longest, len(text))
+        return [1] * len(text.split())
+
+
+def test_long_prompts_are_counted_piece_by_piece_before_they_are_encoded_whole():
+    from specserve.server.app import _PIECE, ApiError, _encode
+
+    text = "word " * 40_000                     # 200,000 characters, 40,000 tokens
+    tok = _WordTokenizer()
+    assert len(_encode(tok, text, 40_000, chat=False)) == 40_000   # fits: encoded whole after the count
+    tok = _WordTokenizer()
+    with pytest.raises(ApiError) as e:
+        _encode(tok, text, 20_000, chat=True)
+    assert e.value.param == "messages" and e.value.code == "context_length_exceeded"
+    assert tok.longest <= _PIECE                 # refused without ever encoding the whole text
+
+
 def test_longest_stop_strings_and_largest_prompt_stay_bounded(server, server_target):
     """Four stop strings of the longest allowed length that almost match all the time, and a
     prompt of the largest body allowed: the process grows by less than 200 MiB, the stop
@@ -310,23 +335,36 @@ def test_longest_stop_strings_and_largest_prompt_stay_bounded(server, server_tar
     client.completions.create(model=model, prompt="a" * 100, max_tokens=120, temperature=0,
                               extra_body={"ignore_eos": True})
     assert with_stops < time.monotonic() - start + 1.0
-    latencies = []
-
-    def small_requests():
-        for _ in range(5):
-            t = time.monotonic()
-            client.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0)
-            latencies.append(time.monotonic() - t)
-
-    t = threading.Thread(target=small_requests)
+    # The largest prompt: as if the vocabulary had tokens as long as the context allows, so the
+    # early size check lets it through and 4 MiB of text are tokenized (on a worker thread)
+    # before the engine refuses it for the context length. Small requests run meanwhile.
+    state = server.app[STATE]
+    state.max_token_bytes, saved = MAX_BODY_BYTES, state.max_token_bytes
     big = json.dumps({"model": model, "prompt": "word " * ((MAX_BODY_BYTES - 100) // 5), "max_tokens": 1}).encode()
     assert len(big) < MAX_BODY_BYTES
-    t.start()
-    status, _, data = Conn(server).post("/v1/completions", big)
-    t.join(60)
-    assert status == 400 and "maximum context length" in json.loads(data)["error"]["message"]
-    assert latencies and max(latencies) < 2.0, latencies
-    assert _rss_mib() - before < 200
+    result, latencies = {}, []
+
+    def big_request():
+        result["status"], _, result["data"] = Conn(server).post("/v1/completions", big)
+
+    t = threading.Thread(target=big_request)
+    start = time.monotonic()
+    try:
+        t.start()
+        while t.is_alive() and time.monotonic() - start < 60:
+            s0 = time.monotonic()
+            client.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=0)
+            latencies.append(time.monotonic() - s0)
+        t.join(60)
+    finally:
+        state.max_token_bytes = saved
+    big_s = time.monotonic() - start
+    assert result["status"] == 400 and "maximum context length" in json.loads(result["data"])["error"]["message"]
+    growth = _rss_mib() - before
+    print(f"stops {with_stops:.2f} s; the largest prompt {big_s:.1f} s, meanwhile {len(latencies)} small requests "
+          f"in at most {max(latencies, default=0):.2f} s; RSS +{growth:.0f} MiB")
+    assert len(latencies) >= 3 and max(latencies) < 2.0, latencies
+    assert growth < 200
     too_big = b'{"prompt": "' + b"x" * MAX_BODY_BYTES + b'"}'
     status, _, data = Conn(server).post("/v1/completions", too_big)
     assert status == 413 and set(json.loads(data)["error"]) == ERROR_KEYS
@@ -424,6 +462,8 @@ def test_overload_is_429_and_loses_nothing(server_target):
         # admitted: at most max_num_seqs + max_waiting_requests at a time, so their TTFT is
         # bounded by about three batches' worth of work
         ttft = sorted(r[3] for r in served)
+        print(f"overload: {len(served)} served, {len(refused)} refused; TTFT median {ttft[len(ttft) // 2]:.3f} s, "
+              f"unloaded {unloaded[0]:.3f} s")
         assert ttft[len(ttft) // 2] < 20 * unloaded[0] + 1.0, (ttft, unloaded)
         assert wait_until(lambda: not srv.engine.scheduler.running and not srv.engine.scheduler.waiting)
         srv.engine.pool.check_all_free()

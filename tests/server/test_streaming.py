@@ -196,7 +196,7 @@ def test_stop_string_across_chunks_is_never_emitted(scripted, stop):
 
 
 def test_drain_refuses_new_requests_and_finishes_streams(server_target):
-    from server.app import STATE, drain
+    from specserve.server.app import STATE, drain
 
     cfg = engine_config(server_target, "none")
     srv = ServerThread(LLMEngine(cfg, progress=False), cfg)
