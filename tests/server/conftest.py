@@ -4,7 +4,10 @@ with the official synchronous `openai` client (or raw aiohttp) from the test thr
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -70,6 +73,27 @@ def engine_config(target: Path, draft: Path | str | None = None, **overrides):
         kw["draft"] = str(draft)
     kw.update(overrides)
     return config_mod.with_overrides(cfg, **kw)
+
+
+def start_server_process(target: Path, *args: str) -> tuple[subprocess.Popen, int, list[str]]:
+    """`specserve serve` on `target` in a child process, on a free port: (the process, its port,
+    its log up to the line that says it serves)."""
+    cmd = [sys.executable, "-c", "import sys; from specserve.cli import main; sys.exit(main(sys.argv[1:]))",
+           "serve", "--target", str(target), "--device", "cpu", "--dtype", "float32", "--num-blocks", "64",
+           "--port", "0", *args]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    log: list[str] = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        log.append(line)
+        if m := re.search(r"on http://127\.0\.0\.1:(\d+)", line):
+            return proc, int(m.group(1)), log
+    proc.kill()
+    proc.wait()
+    raise AssertionError("the server did not start:\n" + "".join(log))
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:

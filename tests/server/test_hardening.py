@@ -12,8 +12,6 @@ import json
 import os
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -24,7 +22,7 @@ from hypothesis import strategies as st
 
 from specserve.engine import LLMEngine
 from specserve.server.app import STATE
-from tests.server.conftest import ServerThread, engine_config, wait_until
+from tests.server.conftest import ServerThread, engine_config, start_server_process, wait_until
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 
@@ -472,21 +470,8 @@ def test_overload_is_429_and_loses_nothing(server_target):
 
 
 def test_sigterm_drain_timeout_ends_every_stream_with_an_error_and_done(server_target):
-    cmd = [sys.executable, "-c", "import sys; from specserve.cli import main; sys.exit(main(sys.argv[1:]))",
-           "serve", "--target", str(server_target), "--device", "cpu", "--dtype", "float32", "--num-blocks", "64",
-           "--port", "0"]
-    proc = subprocess.Popen(cmd + ["--shutdown-timeout", "0.2"], stderr=subprocess.PIPE, text=True)
+    proc, port, _ = start_server_process(server_target, "--shutdown-timeout", "0.2")
     try:
-        port, log = None, []
-        deadline = time.monotonic() + 90
-        while port is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            log.append(line)
-            if m := re.search(r"on http://127\.0\.0\.1:(\d+)", line):
-                port = int(m.group(1))
-        assert port, "".join(log)
         threading.Thread(target=lambda: list(proc.stderr), daemon=True).start()
         body = {"model": server_target.name, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
 

@@ -7,7 +7,6 @@ import json
 import urllib.request
 
 import aiohttp
-import pytest
 
 from specserve.sampling import SamplingParams
 from tests.server.conftest import MAX_MODEL_LEN

@@ -4,14 +4,8 @@ stop strings across chunks, and a graceful shutdown."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import re
 import signal
-import subprocess
-import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -23,7 +17,8 @@ from specserve.engine import LLMEngine
 from specserve.llm import LLM
 from specserve.sampling import SamplingParams
 from tests.checkpoints import CORPUS
-from tests.server.conftest import SCRIPT, ServerThread, engine_config, make_successor_checkpoint, wait_until
+from tests.server.conftest import (SCRIPT, ServerThread, engine_config, make_successor_checkpoint,
+                                  start_server_process, wait_until)
 
 
 def test_32_concurrent_streams_equal_offline_generate(server, server_target, server_draft):
@@ -227,23 +222,8 @@ def test_drain_refuses_new_requests_and_finishes_streams(server_target):
 
 def test_sigterm_finishes_streams_and_exits(server_target):
     """`specserve serve` under SIGTERM: the running stream completes, new requests get 503, exit 0."""
-    cmd = [sys.executable, "-c", "import sys; from specserve.cli import main; sys.exit(main(sys.argv[1:]))",
-           "serve", "--target", str(server_target), "--device", "cpu", "--dtype", "float32", "--num-blocks", "64",
-           "--port", "0"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=os.getcwd())
+    proc, port, log = start_server_process(server_target)
     try:
-        port = None
-        log = []
-        deadline = time.monotonic() + 90
-        while port is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            log.append(line)
-            m = re.search(r"on http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                port = int(m.group(1))
-        assert port, "".join(log)
         text = "".join(log)
         assert "target:" in text and "draft: none" in text and "pool: 64 blocks" in text
         url = f"http://127.0.0.1:{port}/v1"
