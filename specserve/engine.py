@@ -44,6 +44,11 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None
     stats: RequestStats = field(repr=False, default_factory=RequestStats)
     error: str | None = None   # finish_reason "error": what went wrong (the request failed alone)
+    # sampling.Logprob per token of token_ids (SamplingParams.logprobs), and per prompt token
+    # (None for the first; SamplingParams.prompt_logprobs); None where not asked for. The lists
+    # only grow while the request runs: entries up to len(token_ids) are this output's.
+    logprobs: list | None = field(repr=False, default=None)
+    prompt_logprobs: list | None = field(repr=False, default=None)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -366,6 +371,8 @@ class LLMEngine:
     def _append(self, req: Request, toks: list[int]) -> str | None:
         """Append the step's tokens, cutting exactly where the target alone would have stopped."""
         params, reason = req.params, None
+        if params.max_tokens == 0:   # prompt logprobs only
+            return "length"
         kept = 0
         for tok in toks:
             req.token_ids.append(tok)
@@ -389,6 +396,8 @@ class LLMEngine:
         elif reason is not None:
             delta += req.detokenizer.flush()
         req.new_text += delta
+        if req.logprobs is not None:
+            del req.logprobs[req.num_output_tokens:]   # the tokens cut above
         return reason
 
     def _fail(self, req: Request, message: str) -> None:
@@ -433,6 +442,8 @@ class LLMEngine:
             finish_reason=req.finish_reason,
             stats=req.stats,
             error=req.error,
+            logprobs=req.logprobs,
+            prompt_logprobs=req.prompt_logprobs,
         )
 
 

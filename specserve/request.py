@@ -74,6 +74,10 @@ class Request:
         self.num_reported_tokens = 0
         self.text = ""
         self.new_text = ""
+        # sampling.Logprob per output token (params.logprobs), and per prompt token, None for
+        # the first (params.prompt_logprobs); None where not asked for.
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.stats = RequestStats(num_prompt_tokens=len(prompt_token_ids))
         if arrival_time is not None:
             self.stats.arrival_time = arrival_time

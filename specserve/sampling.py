@@ -27,6 +27,11 @@ MAX_TEMPERATURE = 100.0
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 # Integers that become tensor entries stay far inside int64 (and int32 where kernels read them).
 MAX_INT = 2**31 - 1
+# Alternatives returned per position with logprobs (OpenAI's top_logprobs allows 20).
+MAX_LOGPROBS = 20
+# A log-probability reported for a token the request's processors banned (-inf; JSON has no
+# infinities), as vLLM reports it.
+MIN_LOGPROB = -9999.0
 
 
 def _is_int(x) -> bool:
@@ -47,6 +52,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     min_tokens: int = 0                  # EOS and stop_token_ids do not end the request before this
+    # Each output token's log-probability and this many alternatives (None: none); see
+    # token_logprobs for the convention.
+    logprobs: int | None = None
+    # The same for every prompt token after the first (None: none). A request that asks for
+    # them is not served from the prefix cache, and may have max_tokens = 0 (OpenAI's echo).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):   # the OpenAI API allows a single string
@@ -64,8 +75,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             value = getattr(self, param)
             raise InvalidRequestError(f"{param} must be {allowed}, got {value!r}", param)
 
-        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT:
-            bad("max_tokens", f"an integer in [1, {MAX_INT}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+                bad(name, f"null or an integer in [0, {MAX_LOGPROBS}]")
+        least = 0 if self.prompt_logprobs is not None else 1
+        if not _is_int(self.max_tokens) or not least <= self.max_tokens <= MAX_INT:
+            bad("max_tokens", f"an integer in [{least}, {MAX_INT}]" + ("" if least == 0 else
+                                                                       " (0 only with prompt_logprobs)"))
         t = self.temperature
         if not _is_number(t) or not math.isfinite(t) or not 0.0 <= t <= MAX_TEMPERATURE:
             bad("temperature", f"a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)")
@@ -267,6 +284,29 @@ def sample(
     sampled = torch.where(sampled >= logits.shape[1], cdf.argmax(dim=-1), sampled)
     greedy = temperature < GREEDY_TEMPERATURE
     return torch.where(greedy, logits.argmax(dim=-1), sampled).to(torch.int64)
+
+
+Logprob = tuple[float, list[tuple[int, float]]]   # (the token's, [(alternative, its), ...] best first)
+
+
+def token_logprobs(logits: Tensor, temperature: list[float], tokens: list[int], k: list[int]) -> list[Logprob]:
+    """Row i's log-probability of tokens[i] and its k[i] most likely tokens, for logits [R, V].
+
+    The convention (as OpenAI reports them): log_softmax(logits / T) with the request's
+    temperature T (T = 0, greedy: the logits as they are), after min_tokens' masks and before
+    top-k and top-p, so the figures do not depend on how much of the distribution a request
+    samples from. Computed in the logits' dtype (float32, float64 for a float64 model)."""
+    if not tokens:
+        return []
+    dev = logits.device
+    scale = torch.tensor([t if t >= GREEDY_TEMPERATURE else 1.0 for t in temperature], dtype=logits.dtype, device=dev)
+    logp = torch.log_softmax(logits / scale[:, None], dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=dev)[:, None]).squeeze(1).clamp(min=MIN_LOGPROB).tolist()
+    top_k = max(k)
+    if top_k:
+        values, ids = logp.topk(top_k, dim=-1)
+        values, ids = values.clamp(min=MIN_LOGPROB).tolist(), ids.tolist()
+    return [(chosen[i], list(zip(ids[i][:k[i]], values[i][:k[i]])) if k[i] else []) for i in range(len(tokens))]
 
 
 def mask_tokens(logits: Tensor, rows: list[int], banned: list[list[int]]) -> None:

@@ -118,7 +118,9 @@ class Scheduler:
         # Admit waiting requests only when nobody had to be preempted this step.
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if not req.block_table and self.pool.enable_prefix_caching:
+            # A request still owed prompt logprobs computes its whole prompt: no cache hits.
+            owed = req.prompt_logprobs is not None and len(req.prompt_logprobs) < req.num_prompt_tokens
+            if not req.block_table and self.pool.enable_prefix_caching and not owed:
                 blocks, num_cached = self.pool.match_prefix(req.token_ids)
                 req.block_table = list(blocks)
                 req.num_computed_tokens = req.num_draft_computed_tokens = num_cached

@@ -29,7 +29,7 @@ from specserve.errors import InvalidRequestError
 from specserve.kernels import ops
 from specserve.request import Request
 from specserve.runner import ForwardInput, slots_for
-from specserve.sampling import SamplingTensors, mask_tokens, target_probs
+from specserve.sampling import SamplingTensors, mask_tokens, target_probs, token_logprobs
 from specserve.scheduler import ScheduledSeq, SchedulerOutput
 from specserve.tree import DraftTree, fixed_tree_size
 
@@ -191,6 +191,7 @@ class Speculator:
         # then its tree's nodes; logits for the pending token and every node.
         inp = ForwardInput()
         verified: list[_Verified] = []
+        scored: list[tuple[Request, int, int]] = []   # prompt logprobs: (request, first logit row, rows)
         for s in batch.seqs:
             req, start, m = s.request, s.request.num_computed_tokens, s.num_new_tokens
             tree = trees.get(req.request_id, _NO_TREE)
@@ -201,14 +202,22 @@ class Speculator:
             except Exception as e:
                 self.failed[req.request_id] = f"building this request's rows failed: {e!r}"
                 continue
+            # Prompt logprobs: the row of position p scores prompt token p + 1.
+            owed = req.prompt_logprobs is not None and len(req.prompt_logprobs) == start + 1
+            num_scored = max(0, min(m, req.num_prompt_tokens - 1 - start)) if owed else 0
+            if num_scored:
+                scored.append((req, len(inp.logit_rows), num_scored))
             if s.is_decode:
-                verified.append(_Verified(s, tree, len(inp.logit_rows)))
+                verified.append(_Verified(s, tree, len(inp.logit_rows) + num_scored))
             inp.add(*rows, req.block_table, start + m + tree.num_nodes,
-                    logit_rows=list(range(m - 1, m + tree.num_nodes)) if s.is_decode else [],
+                    logit_rows=list(range(num_scored)) + (list(range(m - 1, m + tree.num_nodes))
+                                                          if s.is_decode else []),
                     mask=None if tree.is_chain else tree.verify_mask())   # trees: m == 1
 
         # One target forward, then acceptance and the commit of KV and tokens.
         logits = engine.target.forward(inp)
+        if scored:
+            self._prompt_logprobs(logits, scored)
         new_tokens = self._accept(logits, verified) if verified else {}
         t2 = time.perf_counter()
         self._observed = (batch, verified, new_tokens, t1 - t0, t2 - t1, backlog <= plan.depth + 1, context)
@@ -222,6 +231,11 @@ class Speculator:
         num_seqs = len(verified)
         max_nodes = max(v.tree.num_nodes for v in verified)
         requests = [v.seq.request for v in verified]
+        if len(logits) != sum(1 + v.tree.num_nodes for v in verified):   # prompt rows scored too
+            index = torch.tensor([v.first_row + j for v in verified for j in range(1 + v.tree.num_nodes)], device=dev)
+            logits, first = logits[index], 0
+            for v in verified:
+                v.first_row, first = first, first + 1 + v.tree.num_nodes
         masked, banned = [], []   # min_tokens: a row j nodes deep comes depth(j) tokens after the last
         for v in verified:
             req = v.seq.request
@@ -281,7 +295,42 @@ class Speculator:
             probs = torch.cat([probs, probs], dim=1)
         accepted, num_accepted, bonus = self._tree_accept(probs, target_argmax, draft_probs, tokens, parents,
                                                           is_sampled, num_nodes, is_greedy, uniforms)
-        return self._commit(verified, accepted, num_accepted, bonus)
+        new_tokens = self._commit(verified, accepted, num_accepted, bonus)
+        self._logprobs(logits, verified, accepted, new_tokens)
+        return new_tokens
+
+    def _logprobs(self, logits, verified: list[_Verified], accepted, new_tokens: dict[str, list[int]]) -> None:
+        """Logprobs of the tokens each sequence emits, where its request asks for them: its
+        k-th token came from the pending token's row (k = 0) or from the row of its k-th
+        accepted node, rows the verify pass computed already."""
+        rows, tokens, temps, ks, owners = [], [], [], [], []
+        for i, v in enumerate(verified):
+            req = v.seq.request
+            toks = new_tokens.get(req.request_id)
+            if req.logprobs is None or toks is None:
+                continue
+            path = accepted[i][:len(toks) - 1]
+            rows += [v.first_row] + [v.first_row + 1 + node for node in path]
+            tokens += toks
+            temps += [req.params.temperature] * len(toks)
+            ks += [req.params.logprobs] * len(toks)
+            owners += [req] * len(toks)
+        if rows:
+            for req, entry in zip(owners, token_logprobs(logits[rows], temps, tokens, ks)):
+                req.logprobs.append(entry)
+
+    @staticmethod
+    def _prompt_logprobs(logits, scored: list[tuple[Request, int, int]]) -> None:
+        rows, tokens, temps, ks = [], [], [], []
+        for req, first, n in scored:
+            start = len(req.prompt_logprobs)   # the first prompt token not yet scored
+            rows += range(first, first + n)
+            tokens += req.token_ids[start:start + n]
+            temps += [req.params.temperature] * n
+            ks += [req.params.prompt_logprobs] * n
+        entries = iter(token_logprobs(logits[rows], temps, tokens, ks))
+        for req, _, n in scored:
+            req.prompt_logprobs += [next(entries) for _ in range(n)]
 
     @staticmethod
     def _tree_accept(probs, target_argmax, draft_probs, tokens, parents, is_sampled, num_nodes, is_greedy,

@@ -1,0 +1,160 @@
+"""Logprobs are the target's: at every emitted position they equal transformers'
+log_softmax of the target's logits (float64), with speculation off and on (n-gram and model
+drafters, chains and trees); prompt logprobs likewise, across chunked prefill and a prefix-cache
+hit. They come from the rows the verify pass computes anyway, and stay aligned with the tokens
+when a stop cuts an accepted run."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from specserve import LLM, SamplingParams
+from specserve.errors import InvalidRequestError
+from tests.checkpoints import make_checkpoint
+
+PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 10, 11, 12, 13, 10, 11], [200 + i for i in range(21)]]
+TOL = 1e-9   # float64 on both sides
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("logprobs")
+    target = make_checkpoint(root / "target", "llama", dtype=torch.float64)
+    weak = root / "weak"   # the target with noise on every weight: accepts some, rejects some
+    shutil.copytree(target, weak)
+    g = torch.Generator().manual_seed(5)
+    sd = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g, dtype=v.dtype)
+          for k, v in load_file(weak / "model.safetensors").items()}
+    save_file(sd, weak / "model.safetensors", metadata={"format": "pt"})
+    return {"target": target, "weak": weak}
+
+
+@pytest.fixture(scope="module")
+def hf(models):
+    """transformers' model in float64 throughout: its rotary tables and RMSNorms, which
+    transformers computes in float32 whatever the model's dtype (1e-6 apart by themselves),
+    are made float64."""
+    model = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float64).eval()
+    cfg = model.config
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    inv_freq = 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+
+    def rotary(x, position_ids):
+        freqs = position_ids[..., None].double() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    model.model.rotary_emb.forward = rotary
+    for module in model.modules():
+        if type(module).__name__ == "LlamaRMSNorm":
+            module.forward = lambda x, m=module: m.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
+                                                                            + m.variance_epsilon))
+    return model
+
+
+def reference_logprobs(hf, ids: list[int], temperature: float = 0.0) -> torch.Tensor:
+    """[len(ids), V]: row p is the distribution of token p + 1."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+
+
+def make_llm(models, draft: str, tree: str = "chain", **kw) -> LLM:
+    args = dict(target=str(models["target"]), dtype="float64", device="cpu", progress=False,
+                num_blocks=128, block_size=4)
+    if draft == "none":
+        args["draft"] = "none"
+    else:
+        args.update(draft=draft if draft == "ngram" else str(models[draft]), spec_mode="static", spec_depth=4,
+                    spec_tree=tree, spec__branching=[3, 2, 1], spec__num_nodes=6, spec__topk=3)
+    args.update(kw)
+    return LLM(**args)
+
+
+def check_output(hf, prompt, out, k: int, temperature: float = 0.0) -> None:
+    ref = reference_logprobs(hf, prompt + out.token_ids, temperature)
+    assert len(out.logprobs) == len(out.token_ids)
+    for j, (tok, (lp, top)) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[len(prompt) - 1 + j]
+        assert abs(lp - row[tok].item()) < TOL, (j, lp, row[tok].item())
+        assert len(top) == k
+        values = [v for _, v in top]
+        assert values == sorted(values, reverse=True)
+        for alt, v in top:
+            assert abs(v - row[alt].item()) < TOL
+        if k:
+            assert abs(values[0] - row.max().item()) < TOL
+            if temperature == 0.0:
+                assert top[0][0] == tok or abs(values[0] - lp) < TOL   # greedy: the chosen is the best
+
+
+@pytest.mark.parametrize("draft,tree", [("none", "chain"), ("ngram", "chain"), ("target", "chain"),
+                                        ("weak", "chain"), ("weak", "fixed"), ("weak", "dynamic")])
+def test_logprobs_equal_transformers_with_and_without_speculation(models, hf, draft, tree):
+    llm = make_llm(models, draft, tree)
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=3)
+    outs = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outs):
+        check_output(hf, prompt, out, 3)
+    if draft in ("target", "weak"):
+        assert llm.engine.spec.totals.num_accepted_tokens > 0, "no draft token was accepted"
+
+
+def test_sampled_logprobs_follow_the_temperature(models, hf):
+    llm = make_llm(models, "weak")
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0.7, seed=3, ignore_eos=True,
+                                                logprobs=2))
+    for prompt, out in zip(PROMPTS, outs):
+        check_output(hf, prompt, out, 2, temperature=0.7)
+
+
+def test_logprobs_stay_aligned_when_a_stop_cuts_an_accepted_run(models, hf):
+    llm = make_llm(models, "target")
+    full = llm.generate(PROMPTS[2], SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True))[0]
+    stop = llm.tokenizer.decode(full.token_ids[5:7])
+    out = llm.generate(PROMPTS[2], SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, logprobs=0,
+                                                  stop=[stop]))[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) < 14
+    check_output(hf, PROMPTS[2], out, 0)
+
+
+@pytest.mark.parametrize("draft", ["none", "weak"])
+def test_prompt_logprobs_across_chunks_and_a_prefix_cache_hit(models, hf, draft):
+    prompt = [40 + (7 * i) % 97 for i in range(30)]   # 8 blocks of 4, prefilled in chunks of 8
+    llm = make_llm(models, draft, max_num_batched_tokens=8)
+    warm = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0))[0]   # fills the cache
+    asked = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    out = llm.generate(prompt, asked)[0]
+    assert out.stats.num_cached_tokens == 0, "a request owed prompt logprobs is not served from the cache"
+    again = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0))[0]
+    assert again.stats.num_cached_tokens > 0 and again.token_ids == warm.token_ids
+    ref = reference_logprobs(hf, prompt)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for p in range(1, len(prompt)):
+        lp, top = out.prompt_logprobs[p]
+        assert abs(lp - ref[p - 1, prompt[p]].item()) < TOL
+        assert [t for t, _ in top] == ref[p - 1].topk(2).indices.tolist()
+    assert out.logprobs is None
+
+
+def test_max_tokens_zero_scores_the_prompt_only(models, hf):
+    llm = make_llm(models, "weak")
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    assert out.token_ids == [] and out.finish_reason == "length" and out.text == ""
+    ref = reference_logprobs(hf, PROMPTS[1])
+    assert [round(lp, 6) for lp, _ in out.prompt_logprobs[1:]] == [
+        round(ref[p - 1, PROMPTS[1][p]].item(), 6) for p in range(1, len(PROMPTS[1]))]
+    llm.engine.pool.check_all_free()
+
+
+@pytest.mark.parametrize("kw,param", [(dict(logprobs=21), "logprobs"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
+                                      (dict(max_tokens=0), "max_tokens")])
+def test_logprob_settings_are_bounded(kw, param):
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**kw)
+    assert e.value.param == param
