@@ -34,6 +34,7 @@ from specserve.engine import AsyncEngine, EngineDeadError, LLMEngine, QueueFullE
 from specserve.errors import InvalidRequestError, SpecserveError
 from specserve.metrics import ServerMetrics
 from specserve.sampling import SamplingParams
+from specserve.server import logprobs as logprobs_json
 from specserve.server import protocol
 
 logger = logging.getLogger("specserve.server")
@@ -75,6 +76,7 @@ class ServerState:
     draining: bool = False
     num_inflight: int = 0
     idle: asyncio.Event | None = None  # set while num_inflight == 0
+    token_text: logprobs_json.TokenText | None = None
 
 
 STATE = web.AppKey("specserve_state", ServerState)
@@ -89,6 +91,7 @@ class Choice:  # one engine request
     prompt_idx: int
     prompt_ids: list[int]
     params: SamplingParams
+    echo: str | None = None   # completions with echo: the prompt's text, sent before the output
 
 
 # Prompts longer than this (characters in all) are tokenized on a worker thread, so that the
@@ -172,8 +175,17 @@ async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choic
                             f"{protocol.MAX_CHOICES} per request", "n")
     max_name = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
     max_tokens = getattr(req, max_name)
+    if chat:
+        logprobs, prompt_logprobs, echo = (req.top_logprobs or 0) if req.logprobs else None, None, False
+    else:   # echo with max_tokens 0 needs the prompt's logprobs (that is all it computes)
+        logprobs, echo = req.logprobs, req.echo
+        prompt_logprobs = logprobs if echo and logprobs is not None else (0 if echo and max_tokens == 0 else None)
     choices = []
     for p, prompt_ids in enumerate(prompts):
+        echo_text = None
+        if echo:
+            prompt = req.prompt if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt[p]
+            echo_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
         # Absent max_tokens: the room left in the context. At least 1, so that a prompt that
         # fills the context gets the engine's own "maximum context length" error.
         budget = max_tokens if max_tokens is not None else max(1, max_model_len - len(prompt_ids))
@@ -184,11 +196,11 @@ async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choic
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                     seed=None if req.seed is None else (req.seed + i) % 2**64, stop=req.stops,
                     stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-                    min_tokens=min(req.min_tokens, budget))
+                    min_tokens=min(req.min_tokens, budget), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
             except InvalidRequestError as e:
                 param = max_name if e.param == "max_tokens" else e.param
                 raise ApiError(400, str(e).replace("max_tokens", max_name, 1), param) from None
-            choices.append(Choice(p * req.n + i, p, prompt_ids, params))
+            choices.append(Choice(p * req.n + i, p, prompt_ids, params, echo_text))
     include_usage = req.stream and req.stream_options is not None and req.stream_options.include_usage
     return choices, req.stream, include_usage
 
@@ -207,6 +219,8 @@ class _Run:
         self.arrival = time.monotonic()
         self.last_time: list[float | None] = [None] * len(choices)
         self.num_tokens = [0] * len(choices)
+        self.logprobs_sent = [0] * len(choices)   # output tokens whose logprobs went out
+        self.text_offset = [0] * len(choices)     # completions' text_offset of the next token
 
     async def first_outputs(self) -> list[RequestOutput]:
         """Admit every choice and wait for its first output; the first refusal (400, 429, 503) wins."""
@@ -296,6 +310,26 @@ class _Run:
             except Exception:  # an iterator that failed is closed already
                 pass
 
+    def logprobs(self, i: int, out: RequestOutput, with_prompt: bool) -> dict | None:
+        """The logprobs object for choice i's tokens not sent yet (and its prompt's, for echo);
+        None where the request did not ask for them."""
+        c = self.choices[i]
+        with_prompt = with_prompt and c.params.prompt_logprobs is not None
+        if c.params.logprobs is None and not with_prompt:
+            return None
+        entries, tokens = [], []
+        if with_prompt:
+            entries, tokens = out.prompt_logprobs[:len(c.prompt_ids)], list(c.prompt_ids)
+        if c.params.logprobs is not None:
+            start, end = self.logprobs_sent[i], len(out.token_ids)
+            entries, tokens = entries + out.logprobs[start:end], tokens + out.token_ids[start:end]
+            self.logprobs_sent[i] = end
+        if self.chat:
+            return logprobs_json.chat(entries, tokens, self.state.token_text)
+        obj, self.text_offset[i] = logprobs_json.completion(entries, tokens, self.state.token_text,
+                                                            self.text_offset[i])
+        return obj
+
     def usage(self) -> dict:
         # The prompt counts once, whatever n is.
         prompt = sum({c.prompt_idx: len(c.prompt_ids) for c in self.choices}.values())
@@ -382,11 +416,13 @@ async def _complete(run: _Run, firsts: list[RequestOutput]) -> web.Response:
     choices = []
     for i, c in enumerate(run.choices):
         out = final[i]
+        logprobs = run.logprobs(i, out, with_prompt=True)
         if run.chat:
             choices.append({"index": c.index, "message": {"role": "assistant", "content": out.text},
-                            "logprobs": None, "finish_reason": out.finish_reason})
+                            "logprobs": logprobs, "finish_reason": out.finish_reason})
         else:
-            choices.append({"index": c.index, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason})
+            choices.append({"index": c.index, "text": (c.echo or "") + out.text, "logprobs": logprobs,
+                            "finish_reason": out.finish_reason})
     body = {**_header(run), "object": "chat.completion" if run.chat else "text_completion",
             "choices": choices, "usage": run.usage()}
     return web.Response(body=_json.encode(body), content_type="application/json")
@@ -401,21 +437,23 @@ async def _stream(request: web.Request, run: _Run, firsts: list[RequestOutput], 
     await resp.prepare(request)
     header = _header(run)
     obj = "chat.completion.chunk" if run.chat else "text_completion"
-    sent_role = [False] * len(run.choices)
+    sent_first = [False] * len(run.choices)
 
     def event(i: int, out: RequestOutput) -> bytes | None:
-        if not out.new_text and not out.finished:
-            return None
-        choice = {"index": run.choices[i].index}
+        c = run.choices[i]
+        first = not sent_first[i]
+        if not out.new_text and not out.finished and not (first and c.echo is not None):
+            return None   # the held-back tokens' logprobs go with the next event
+        sent_first[i] = True
+        choice = {"index": c.index}
         if run.chat:
             delta = {"content": out.new_text}
-            if not sent_role[i]:
+            if first:
                 delta = {"role": "assistant", **delta}
-                sent_role[i] = True
             choice["delta"] = delta
         else:
-            choice["text"] = out.new_text
-        choice["logprobs"] = None
+            choice["text"] = (c.echo if first and c.echo is not None else "") + out.new_text
+        choice["logprobs"] = run.logprobs(i, out, with_prompt=first)
         choice["finish_reason"] = out.finish_reason if out.finished else None
         return b"data: " + _json.encode({**header, "object": obj, "choices": [choice]}) + b"\n\n"
 
@@ -530,7 +568,8 @@ def model_name(cfg: EngineConfig) -> str:
 def create_app(engine: LLMEngine, cfg: EngineConfig) -> web.Application:
     """The app for an engine; the AsyncEngine starts and stops with the app (on its loop)."""
     state = ServerState(engine=engine, cfg=cfg, model_name=model_name(cfg), metrics=ServerMetrics(engine),
-                        max_token_bytes=max(len(t.encode("utf-8", "replace")) for t in engine.tokenizer.get_vocab()))
+                        max_token_bytes=max(len(t.encode("utf-8", "replace")) for t in engine.tokenizer.get_vocab()),
+                        token_text=logprobs_json.TokenText(engine.tokenizer))
     app = web.Application(middlewares=[_errors], client_max_size=protocol.MAX_BODY_BYTES)
     app[STATE] = state
 

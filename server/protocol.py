@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-from specserve.sampling import MAX_SEED, MAX_TEMPERATURE, MIN_SEED
+from specserve.sampling import MAX_LOGPROBS, MAX_SEED, MAX_TEMPERATURE, MIN_SEED
 
 MAX_BODY_BYTES = 4 * 2**20      # a prompt of about a million tokens
 MAX_DEPTH = 16                  # nesting of arrays and objects; the deepest valid body has 5
@@ -36,10 +36,13 @@ TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
 ALLOWED = {
     "model": f"a string of at most {MAX_NAME} characters",
     "user": f"a string of at most {MAX_NAME} characters",
-    "stream": "true or false", "include_usage": "true or false", "ignore_eos": "true or false", "echo": "false",
+    "stream": "true or false", "include_usage": "true or false", "ignore_eos": "true or false",
+    "echo": "true or false",
+    "logprobs": f"true or false (chat), or null or an integer in [0, {MAX_LOGPROBS}] (completions)",
+    "top_logprobs": f"null or an integer in [0, {MAX_LOGPROBS}]",
     "stream_options": 'an object like {"include_usage": true}',
     "n": f"an integer in [1, {MAX_CHOICES}]",
-    "max_tokens": f"null or an integer in [1, {MAX_TOKENS}]",
+    "max_tokens": f"null or an integer in [1, {MAX_TOKENS}] (0 with echo)",
     "max_completion_tokens": f"null or an integer in [1, {MAX_TOKENS}]",
     "min_tokens": f"an integer in [0, {MAX_TOKENS}]",
     "temperature": f"a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy)",
@@ -58,7 +61,6 @@ ALLOWED = {
 
 # Fields this server does not implement, and the value of each that changes nothing.
 NOT_IMPLEMENTED = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}), "suffix": (None, ""),
     "best_of": (None, 1), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
@@ -92,8 +94,6 @@ class _Request(Struct, kw_only=True):
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
     # Not implemented (NOT_IMPLEMENTED): held only to be refused unless neutral.
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -111,6 +111,8 @@ class _Request(Struct, kw_only=True):
 
 class CompletionRequest(_Request, kw_only=True):
     prompt: str | list[Any]
+    max_tokens: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] | None = None   # 0: echo only
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -129,6 +131,8 @@ class Message(Struct, kw_only=True):
 class ChatRequest(_Request, kw_only=True):
     messages: Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Tokens | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 def _depth(obj: Any, limit: int) -> bool:
@@ -190,8 +194,13 @@ def parse(raw: bytes, chat: bool) -> ChatRequest | CompletionRequest:
                     raise ProtocolError(f"messages[{i}].content[{j}] must be a text part "
                                         f'{{"type": "text", "text": "..."}}; other part types are not supported',
                                         f"messages[{i}].content")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ProtocolError("top_logprobs needs logprobs: true", "top_logprobs")
     else:
         _check_prompt(req.prompt)
+        if req.max_tokens == 0 and not req.echo:
+            raise ProtocolError(f"max_tokens must be an integer in [1, {MAX_TOKENS}] (0 only with echo: true), "
+                                "got 0", "max_tokens")
     if req.seed is not None and not MIN_SEED <= req.seed <= MAX_SEED:   # wider than an int64 bound
         raise ProtocolError(f"seed must be {ALLOWED['seed']}, got {_short(req.seed)}", "seed")
     return req

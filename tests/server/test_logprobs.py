@@ -1,0 +1,109 @@
+"""Logprobs over HTTP, in OpenAI's shapes, equal the engine's (which tests/engine/test_logprobs.py
+holds to transformers'): chat with the official client's logprobs=True, top_logprobs=3,
+completions with logprobs=k, echo with the prompt's logprobs, streaming and not, with the
+draft speculating."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from specserve.llm import LLM
+from specserve.sampling import SamplingParams
+from tests.server.conftest import engine_config
+from tests.server.test_openai_api import model_name
+
+PROMPT = "Once upon a time"
+
+
+def post(server, path: str, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.fixture(scope="module")
+def offline(server_target, server_draft):
+    return LLM(engine_config(server_target, server_draft, spec_mode="static", spec_depth=3), progress=False)
+
+
+def test_chat_logprobs_with_the_official_client(server):
+    client, model = server.client(), model_name(server)
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    full = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens
+    assert b"".join(bytes(t.bytes) for t in content).decode("utf-8", "replace") == full.choices[0].message.content
+    for t in content:
+        assert len(t.top_logprobs) == 3
+        values = [a.logprob for a in t.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob   # greedy
+    stream = list(client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    plain = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_equal_the_engine(server, offline):
+    client, model = server.client(), model_name(server)
+    ref = offline.generate(PROMPT, SamplingParams(max_tokens=20, temperature=0.0, logprobs=2))[0]
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0, logprobs=2)
+    lp = full.choices[0].logprobs
+    assert full.choices[0].text == ref.text
+    assert len(lp.token_logprobs) == len(ref.token_ids)
+    assert lp.token_logprobs == pytest.approx([e[0] for e in ref.logprobs], abs=1e-4)
+    assert lp.text_offset == [len(server.engine.tokenizer.decode(ref.token_ids[:i])) for i in range(len(lp.tokens))]
+    for token, top, value in zip(lp.tokens, lp.top_logprobs, lp.token_logprobs):
+        assert top[token] == value and 2 <= len(top) <= 3   # the chosen token is always listed
+    stream = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0, logprobs=2,
+                                            stream=True))
+    tokens = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in stream if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert tokens == lp.tokens and offsets == lp.text_offset
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_returns_the_prompt_and_its_logprobs(server, offline, stream):
+    ids = server.engine.tokenizer.encode(PROMPT)
+    ref = offline.generate(ids, SamplingParams(max_tokens=0, prompt_logprobs=1))[0]
+    body = {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1, "stream": stream}
+    status, text = post(server, "/completions", body)
+    assert status == 200, text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
+        choice = chunks[0]["choices"][0]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == PROMPT
+    else:
+        choice = json.loads(text)["choices"][0]
+        assert choice["text"] == PROMPT and json.loads(text)["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx([e[0] for e in ref.prompt_logprobs[1:]], abs=1e-4)
+    generated = json.loads(post(server, "/completions", {"prompt": PROMPT, "max_tokens": 5, "echo": True,
+                                                         "temperature": 0})[1])["choices"][0]
+    assert generated["text"].startswith(PROMPT) and len(generated["text"]) > len(PROMPT)
+    assert generated["logprobs"] is None
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 3}, "logprobs"),
+    ("/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+])
+def test_logprob_fields_out_of_range_name_themselves(server, path, body, param):
+    status, text = post(server, path, body)
+    assert status == 400 and json.loads(text)["error"]["param"] == param, text
