@@ -196,7 +196,10 @@ async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choic
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                     seed=None if req.seed is None else (req.seed + i) % 2**64, stop=req.stops,
                     stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-                    min_tokens=min(req.min_tokens, budget), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                    min_tokens=min(req.min_tokens, budget), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                    repetition_penalty=req.repetition_penalty,
+                    logit_bias={int(t): b for t, b in req.logit_bias.items()} if req.logit_bias else None)
             except InvalidRequestError as e:
                 param = max_name if e.param == "max_tokens" else e.param
                 raise ApiError(400, str(e).replace("max_tokens", max_name, 1), param) from None

@@ -16,7 +16,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
-from specserve.sampling import MAX_LOGPROBS, MAX_SEED, MAX_TEMPERATURE, MIN_SEED
+from specserve.sampling import (MAX_BIAS, MAX_BIASED_TOKENS, MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY,
+                                MAX_SEED, MAX_TEMPERATURE, MIN_SEED)
 
 MAX_BODY_BYTES = 4 * 2**20      # a prompt of about a million tokens
 MAX_DEPTH = 16                  # nesting of arrays and objects; the deepest valid body has 5
@@ -31,6 +32,8 @@ Name = Annotated[str, Meta(max_length=MAX_NAME)]
 Stop = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 Tokens = Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+Penalty = Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+Bias = Annotated[float, Meta(ge=-MAX_BIAS, le=MAX_BIAS)]
 
 # What each field allows, in words, for the error messages.
 ALLOWED = {
@@ -40,6 +43,11 @@ ALLOWED = {
     "echo": "true or false",
     "logprobs": f"true or false (chat), or null or an integer in [0, {MAX_LOGPROBS}] (completions)",
     "top_logprobs": f"null or an integer in [0, {MAX_LOGPROBS}]",
+    "presence_penalty": f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+    "frequency_penalty": f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]",
+    "repetition_penalty": f"a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = off)",
+    "logit_bias": (f'an object of at most {MAX_BIASED_TOKENS} token ids (as strings) mapped to numbers in '
+                   f'[-{MAX_BIAS:g}, {MAX_BIAS:g}], like {{"50256": -100}}'),
     "stream_options": 'an object like {"include_usage": true}',
     "n": f"an integer in [1, {MAX_CHOICES}]",
     "max_tokens": f"null or an integer in [1, {MAX_TOKENS}] (0 with echo)",
@@ -61,8 +69,7 @@ ALLOWED = {
 
 # Fields this server does not implement, and the value of each that changes nothing.
 NOT_IMPLEMENTED = {
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}), "suffix": (None, ""),
+    "suffix": (None, ""),
     "best_of": (None, 1), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
     "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
 }
@@ -93,11 +100,11 @@ class _Request(Struct, kw_only=True):
     stop: Stop | Annotated[list[Stop], Meta(max_length=MAX_STOPS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] = 1.0   # vLLM's extension
+    logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_BIASED_TOKENS)] | None = None   # token id -> bias
     # Not implemented (NOT_IMPLEMENTED): held only to be refused unless neutral.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     tool_choice: Any = None
@@ -201,6 +208,9 @@ def parse(raw: bytes, chat: bool) -> ChatRequest | CompletionRequest:
         if req.max_tokens == 0 and not req.echo:
             raise ProtocolError(f"max_tokens must be an integer in [1, {MAX_TOKENS}] (0 only with echo: true), "
                                 "got 0", "max_tokens")
+    if req.logit_bias and not all(re.fullmatch(r"\d{1,10}", t) for t in req.logit_bias):
+        bad = next(t for t in req.logit_bias if not re.fullmatch(r"\d{1,10}", t))
+        raise ProtocolError(f"logit_bias must be {ALLOWED['logit_bias']}; {_short(bad)} is not a token id", "logit_bias")
     if req.seed is not None and not MIN_SEED <= req.seed <= MAX_SEED:   # wider than an int64 bound
         raise ProtocolError(f"seed must be {ALLOWED['seed']}, got {_short(req.seed)}", "seed")
     return req

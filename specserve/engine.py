@@ -245,6 +245,10 @@ class LLMEngine:
                 raise InvalidRequestError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty", param="prompt")
+        vocab = self.target_args.vocab_size
+        if params.logit_bias and (bad := [t for t in params.logit_bias if t >= vocab]):
+            raise InvalidRequestError(f"logit_bias names token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
+                                      param="logit_bias")
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(

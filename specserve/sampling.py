@@ -27,6 +27,9 @@ MAX_TEMPERATURE = 100.0
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 # Integers that become tensor entries stay far inside int64 (and int32 where kernels read them).
 MAX_INT = 2**31 - 1
+MAX_PENALTY = 2.0            # presence and frequency penalties, as OpenAI bounds them
+MAX_REPETITION_PENALTY = 10.0
+MAX_BIAS, MAX_BIASED_TOKENS = 100.0, 1024   # logit_bias: as OpenAI bounds a bias
 # Alternatives returned per position with logprobs (OpenAI's top_logprobs allows 20).
 MAX_LOGPROBS = 20
 # A log-probability reported for a token the request's processors banned (-inf; JSON has no
@@ -58,6 +61,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # The same for every prompt token after the first (None: none). A request that asks for
     # them is not served from the prefix cache, and may have max_tokens = 0 (OpenAI's echo).
     prompt_logprobs: int | None = None
+    # Penalties (OpenAI's and vLLM's meanings): presence subtracts this from every token that
+    # occurs in the output, frequency this times its count there; repetition divides a positive
+    # logit (multiplies a negative one) of every token seen in the prompt or the output. Under
+    # speculation a tree node's output is the output so far and its own path.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit
 
     def __post_init__(self):
         if isinstance(self.stop, str):   # the OpenAI API allows a single string
@@ -67,6 +78,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the field, its value and what is allowed."""
@@ -79,6 +95,19 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             k = getattr(self, name)
             if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
                 bad(name, f"null or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                bad(name, f"a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        r = self.repetition_penalty
+        if not _is_number(r) or not 0.0 < r <= MAX_REPETITION_PENALTY:
+            bad("repetition_penalty", f"a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = off)")
+        bias = self.logit_bias
+        if bias is not None and (not isinstance(bias, dict) or len(bias) > MAX_BIASED_TOKENS or not all(
+                _is_int(t) and 0 <= t <= MAX_INT and _is_number(b) and -MAX_BIAS <= b <= MAX_BIAS
+                for t, b in bias.items())):
+            bad("logit_bias", f"null or at most {MAX_BIASED_TOKENS} token ids mapped to numbers in "
+                              f"[-{MAX_BIAS:g}, {MAX_BIAS:g}]")
         least = 0 if self.prompt_logprobs is not None else 1
         if not _is_int(self.max_tokens) or not least <= self.max_tokens <= MAX_INT:
             bad("max_tokens", f"an integer in [{least}, {MAX_INT}]" + ("" if least == 0 else
@@ -307,6 +336,39 @@ def token_logprobs(logits: Tensor, temperature: list[float], tokens: list[int], 
         values, ids = logp.topk(top_k, dim=-1)
         values, ids = values.clamp(min=MIN_LOGPROB).tolist(), ids.tolist()
     return [(chosen[i], list(zip(ids[i][:k[i]], values[i][:k[i]])) if k[i] else []) for i in range(len(tokens))]
+
+
+def penalize(logits: Tensor, rows: list[int], params: list[SamplingParams], outputs: list[list[int]],
+             prompts: list[list[int]]) -> None:
+    """In place: apply params[i]'s logit_bias and penalties to row rows[i] of logits [N, V],
+    a row that follows the output tokens outputs[i] after the prompt prompts[i]."""
+    dev, dtype, vocab = logits.device, logits.dtype, logits.shape[1]
+
+    def dense(lists: list[list[int]], values: list[list[float]] | None = None) -> Tensor:
+        """[R, V]: the sum over each row's list of ones (or of the given values) at its ids."""
+        out = torch.zeros(len(lists), vocab, dtype=dtype, device=dev)
+        pairs = [(i, t, 1.0 if values is None else values[i][j]) for i, ids in enumerate(lists)
+                 for j, t in enumerate(ids) if 0 <= t < vocab]
+        if pairs:
+            r, t, v = zip(*pairs)
+            out.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
+                           torch.tensor(v, dtype=dtype, device=dev), accumulate=True)
+        return out
+
+    def column(name: str) -> Tensor:
+        return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=dev)[:, None]
+
+    x = logits[rows]
+    biases = [p.logit_bias or {} for p in params]
+    if any(biases):
+        x += dense([list(b) for b in biases], [list(b.values()) for b in biases])
+    counts = dense(outputs)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = (counts > 0) | (dense([p if q.repetition_penalty != 1.0 else [] for p, q in zip(prompts, params)]) > 0)
+        penalty = column("repetition_penalty")
+        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+    x -= column("frequency_penalty") * counts + column("presence_penalty") * (counts > 0).to(dtype)
+    logits[rows] = x
 
 
 def mask_tokens(logits: Tensor, rows: list[int], banned: list[list[int]]) -> None:

@@ -29,7 +29,7 @@ from specserve.errors import InvalidRequestError
 from specserve.kernels import ops
 from specserve.request import Request
 from specserve.runner import ForwardInput, slots_for
-from specserve.sampling import SamplingTensors, mask_tokens, target_probs, token_logprobs
+from specserve.sampling import SamplingTensors, mask_tokens, penalize, target_probs, token_logprobs
 from specserve.scheduler import ScheduledSeq, SchedulerOutput
 from specserve.tree import DraftTree, fixed_tree_size
 
@@ -246,6 +246,7 @@ class Speculator:
                         banned.append(sorted(req.stop_token_ids | (set() if req.params.ignore_eos
                                                                    else req.eos_token_ids)))
         mask_tokens(logits, masked, banned)
+        self._penalize(logits, verified)
         # Row j of sequence i in a [B, N + 1] layout; a shorter tree's padding repeats its last row.
         index = None
         if max_nodes or len(logits) != num_seqs:
@@ -331,6 +332,29 @@ class Speculator:
         entries = iter(token_logprobs(logits[rows], temps, tokens, ks))
         for req, _, n in scored:
             req.prompt_logprobs += [next(entries) for _ in range(n)]
+
+    @staticmethod
+    def _penalize(logits: torch.Tensor, verified: list[_Verified]) -> None:
+        """Penalties and logit biases, row by row: a node's row follows the output so far and
+        its own path (its ancestors and itself), so the target's distribution at every node is
+        the one plain decoding would have used after that path."""
+        rows, params, outputs, prompts = [], [], [], []
+        for v in verified:
+            req, tree = v.seq.request, v.tree
+            if not req.params.has_penalties:
+                continue
+            output, prompt = req.output_token_ids, req.prompt_token_ids
+            paths: list[list[int]] = []
+            for k in range(tree.num_nodes):   # BFS order: a parent's path is known before its children's
+                parent = tree.parents[k]
+                paths.append((paths[parent] if parent >= 0 else []) + [tree.tokens[k]])
+            for j, path in enumerate([[]] + paths):
+                rows.append(v.first_row + j)
+                params.append(req.params)
+                outputs.append(output + path)
+                prompts.append(prompt)
+        if rows:
+            penalize(logits, rows, params, outputs, prompts)
 
     @staticmethod
     def _tree_accept(probs, target_argmax, draft_probs, tokens, parents, is_sampled, num_nodes, is_greedy,

@@ -47,13 +47,19 @@ def pair(tmp_path_factory):
     return target, draft
 
 
-def _probs(model, prefix: list[int]) -> torch.Tensor:
+def _probs(model, prefix: list[int], penalties: dict | None = None) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([prefix])).logits[0, -1:].double()
+    if penalties:   # frequency penalty and logit bias, as OpenAI defines them, on the output so far
+        output = prefix[len(PROMPT):]
+        for t, b in penalties.get("logit_bias", {}).items():
+            logits[0, t] += b
+        for t in set(output):
+            logits[0, t] -= penalties.get("frequency_penalty", 0.0) * output.count(t)
     return target_probs(logits, torch.tensor([TEMPERATURE]), torch.tensor([TOP_K]), torch.tensor([TOP_P]))[0]
 
 
-def exact_joint(path, first_from=None, length: int = 3) -> dict[tuple[int, ...], float]:
+def exact_joint(path, first_from=None, length: int = 3, penalties: dict | None = None) -> dict[tuple[int, ...], float]:
     """Exact distribution of the `length`-token continuation of PROMPT. With `first_from`, x1
     comes from that model (the target: the prefill samples it) and the rest from `path`."""
     from transformers import AutoModelForCausalLM
@@ -64,7 +70,7 @@ def exact_joint(path, first_from=None, length: int = 3) -> dict[tuple[int, ...],
     for i in range(length):
         nxt = {}
         for prefix, p in joint.items():
-            probs = _probs(first if i == 0 else model, PROMPT + list(prefix))
+            probs = _probs(first if i == 0 else model, PROMPT + list(prefix), penalties)
             for x in probs.nonzero().flatten().tolist():
                 nxt[prefix + (x,)] = p * float(probs[x])
         joint = nxt
@@ -82,12 +88,12 @@ def bound(k: int, n: int) -> float:
 
 
 def sample_engine(target, draft, tree: str, n: int = N, seed0: int = 0, check_rejections=True,
-                  length: int = 3, **kw):
+                  length: int = 3, penalties: dict | None = None, **kw):
     llm = LLM(target=str(target), draft=str(draft), dtype="float64", device="cpu", progress=False,
               num_blocks=4 * n, block_size=4, spec_mode="static", spec_depth=length - 1, spec_tree=tree,
               spec__branching=[2, 1], max_num_seqs=n, max_num_batched_tokens=16 * n, max_waiting_requests=n, **kw)
     params = [SamplingParams(max_tokens=length, temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P, seed=seed0 + i,
-                             ignore_eos=True) for i in range(n)]
+                             ignore_eos=True, **(penalties or {})) for i in range(n)]
     outs = llm.generate([PROMPT] * n, params)
     llm.engine.pool.check_all_free()
     totals = llm.engine.spec.totals
@@ -121,6 +127,24 @@ def test_speculative_sampling_matches_target_distribution(pair, exact, tree):
     assert set(counts) <= set(exact), "a token outside the target's top-k/top-p support was emitted"
     d, b = tv(counts, N, exact), bound(len(exact), N)
     assert d < b, f"{tree}: TV {d:.4f} >= bound {b:.4f} (K={len(exact)}, N={N})"
+
+
+PENALTIES = dict(frequency_penalty=2.0, logit_bias={2: 1.5, 7: -1.0, 9: 2.0})
+
+
+@pytest.mark.parametrize("tree", ["chain", "fixed"])
+def test_speculative_sampling_with_a_frequency_penalty_and_logit_bias(pair, tree):
+    """The verifier penalizes each node's row by the output before it and its own path: the
+    output follows the penalized target distribution exactly. (A verifier that left the path
+    out, penalizing by the output before the step only, leaves the bound here.)"""
+    target, draft = pair
+    exact = exact_joint(target, penalties=PENALTIES)
+    assert 0.5 * sum(abs(exact_joint(target).get(k, 0.0) - p) for k, p in exact.items()) > 0.1, \
+        "the penalties should move the distribution well outside the bound"
+    counts, _ = sample_engine(target, draft, tree, seed0=5 * 10**6, penalties=PENALTIES)
+    assert set(counts) <= set(exact)
+    d, b = tv(counts, N, exact), bound(len(exact), N)
+    assert d < b, f"{tree} with penalties: TV {d:.4f} >= bound {b:.4f} (K={len(exact)}, N={N})"
 
 
 def test_chains_that_stop_early_still_follow_the_target(pair, monkeypatch):

@@ -1,7 +1,8 @@
-"""Logprobs over HTTP, in OpenAI's shapes, equal the engine's (which tests/engine/test_logprobs.py
-holds to transformers'): chat with the official client's logprobs=True, top_logprobs=3,
-completions with logprobs=k, echo with the prompt's logprobs, streaming and not, with the
-draft speculating."""
+"""Logprobs and penalties over HTTP equal the engine's (tests/engine/test_logprobs.py and
+test_penalties.py hold those to transformers'): chat with the official client's
+logprobs=True, top_logprobs=3, completions with logprobs=k, echo with the prompt's logprobs,
+streaming and not; presence, frequency and repetition penalties, logit_bias, min_tokens and
+stop_token_ids; the draft speculating throughout."""
 
 from __future__ import annotations
 
@@ -107,3 +108,18 @@ def test_echo_returns_the_prompt_and_its_logprobs(server, offline, stream):
 def test_logprob_fields_out_of_range_name_themselves(server, path, body, param):
     status, text = post(server, path, body)
     assert status == 400 and json.loads(text)["error"]["param"] == param, text
+
+
+def test_penalties_and_logit_bias_over_http_equal_the_engine(server, offline):
+    """The sampling fields reach the engine: each output equals LLM.generate with the same
+    settings (greedy, the draft speculating), and a +100 bias makes one token the only output."""
+    client, model = server.client(), model_name(server)
+    token = server.engine.tokenizer.encode(" the")[-1]
+    for kw in (dict(presence_penalty=1.5), dict(frequency_penalty=-1.0), dict(repetition_penalty=1.5),
+               dict(logit_bias={token: 100.0}), dict(min_tokens=8, stop_token_ids=[token])):
+        body = {k: ({str(t): b for t, b in v.items()} if k == "logit_bias" else v) for k, v in kw.items()}
+        got = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, extra_body=body)
+        ref = offline.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0, **kw))[0]
+        assert got.choices[0].text == ref.text, kw
+    biased = offline.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0.0, logit_bias={token: 100.0}))[0]
+    assert biased.token_ids == [token] * 6
