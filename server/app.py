@@ -15,6 +15,7 @@ its KV blocks at once.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import logging
 import os
@@ -40,6 +41,7 @@ from specserve.server import protocol
 logger = logging.getLogger("specserve.server")
 
 _json = msgspec.json.Encoder()  # compact: no spaces, as SSE events should be
+_PAGE = (Path(__file__).parent / "static" / "chat.html").read_bytes()   # GET /: the chat page
 
 
 class ApiError(Exception):
@@ -150,8 +152,9 @@ def _text_size(req, chat: bool) -> int:
     return max((len(p) for p in req.prompt if isinstance(p, str)), default=0)
 
 
-async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choice], bool, bool]:
-    """-> (choices, stream, include_usage). Raises ApiError naming the field and what is allowed."""
+async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choice], bool, bool, bool]:
+    """-> (choices, stream, include_usage, provenance). Raises ApiError naming the field and what
+    is allowed."""
     try:
         req = protocol.parse(raw, chat)
     except protocol.ProtocolError as e:
@@ -205,7 +208,7 @@ async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choic
                 raise ApiError(400, str(e).replace("max_tokens", max_name, 1), param) from None
             choices.append(Choice(p * req.n + i, p, prompt_ids, params, echo_text))
     include_usage = req.stream and req.stream_options is not None and req.stream_options.include_usage
-    return choices, req.stream, include_usage
+    return choices, req.stream, include_usage, req.provenance
 
 
 # -- running requests -------------------------------------------------------------------------
@@ -214,7 +217,8 @@ async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choic
 class _Run:
     """The engine requests of one HTTP request, started together and always closed together."""
 
-    def __init__(self, state: ServerState, choices: list[Choice], id_prefix: str, chat: bool):
+    def __init__(self, state: ServerState, choices: list[Choice], id_prefix: str, chat: bool,
+                 provenance: bool = False):
         self.state, self.choices, self.chat, self.id = state, choices, chat, id_prefix
         self.gens: list[AsyncIterator[RequestOutput]] = [
             state.async_engine.generate(c.prompt_ids, c.params, f"{id_prefix}-{c.index}") for c in choices
@@ -224,6 +228,12 @@ class _Run:
         self.num_tokens = [0] * len(choices)
         self.logprobs_sent = [0] * len(choices)   # output tokens whose logprobs went out
         self.text_offset = [0] * len(choices)     # completions' text_offset of the next token
+        # The provenance extension: per choice, each output token's "accepted draft token?",
+        # the tokens already sent, and a UTF-8 decoder that carries split characters over.
+        self.provenance = provenance
+        self.drafted: list[list[bool]] = [[] for _ in choices]
+        self.pieces_sent = [0] * len(choices)
+        self.utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in choices] if provenance else []
 
     async def first_outputs(self) -> list[RequestOutput]:
         """Admit every choice and wait for its first output; the first refusal (400, 429, 503) wins."""
@@ -264,6 +274,8 @@ class _Run:
                 m.observe_tokens(k, now - self.last_time[i])
             self.last_time[i] = now
         self.num_tokens[i] = len(out.token_ids)  # all so far, after any cut at a stop string
+        if self.provenance:
+            self.drafted[i] += [True] * out.num_drafted + [False] * (k - out.num_drafted)
         if out.finished:
             m.e2e_request_latency.observe(now - self.arrival)
 
@@ -333,6 +345,23 @@ class _Run:
                                                             self.text_offset[i])
         return obj
 
+    def pieces(self, i: int, out: RequestOutput) -> list[list]:
+        """Choice i's tokens not sent yet as [text, accepted draft tokens?, number of tokens],
+        one piece per run of tokens of one provenance."""
+        start, end = self.pieces_sent[i], len(out.token_ids)
+        self.pieces_sent[i] = end
+        pieces: list[list] = []
+        for tok, drafted in zip(out.token_ids[start:end], self.drafted[i][start:end]):
+            text = self.utf8[i].decode(self.state.token_text.bytes(tok))
+            if pieces and pieces[-1][1] == drafted:
+                pieces[-1][0] += text
+                pieces[-1][2] += 1
+            else:
+                pieces.append([text, drafted, 1])
+        if out.finished and (rest := self.utf8[i].decode(b"", final=True)):
+            pieces.append([rest, False, 0])
+        return pieces
+
     def usage(self) -> dict:
         # The prompt counts once, whatever n is.
         prompt = sum({c.prompt_idx: len(c.prompt_ids) for c in self.choices}.values())
@@ -370,7 +399,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
     try:
         _check_serving(state)
-        choices, stream, include_usage = await _parse(state, await _read_body(request), chat)
+        choices, stream, include_usage, provenance = await _parse(state, await _read_body(request), chat)
         waiting, limit = state.async_engine.num_waiting(), state.cfg.scheduler.max_waiting_requests
         if waiting + len(choices) > limit:
             raise ApiError(429, f"{waiting} requests are waiting and this one adds {len(choices)}; at most {limit} "
@@ -381,7 +410,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     state.num_inflight += 1
     state.idle.clear()
     kind = "chatcmpl" if chat else "cmpl"
-    run = _Run(state, choices, f"{kind}-{uuid.uuid4().hex}", chat)
+    run = _Run(state, choices, f"{kind}-{uuid.uuid4().hex}", chat, provenance)
     try:
         try:
             firsts = await run.first_outputs()
@@ -457,6 +486,8 @@ async def _stream(request: web.Request, run: _Run, firsts: list[RequestOutput], 
         else:
             choice["text"] = (c.echo if first and c.echo is not None else "") + out.new_text
         choice["logprobs"] = run.logprobs(i, out, with_prompt=first)
+        if run.provenance:
+            choice["provenance"] = run.pieces(i, out)
         choice["finish_reason"] = out.finish_reason if out.finished else None
         return b"data: " + _json.encode({**header, "object": obj, "choices": [choice]}) + b"\n\n"
 
@@ -512,6 +543,21 @@ async def handle_health(request: web.Request) -> web.Response:
 async def handle_metrics(request: web.Request) -> web.Response:
     body, content_type = request.app[STATE].metrics.render()
     return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def handle_page(request: web.Request) -> web.Response:
+    return web.Response(body=_PAGE, content_type="text/html", charset="utf-8")
+
+
+async def handle_stats(request: web.Request) -> web.Response:
+    """The figures the chat page shows beside the chat (JSON; /metrics has them all)."""
+    engine = request.app[STATE].engine
+    totals, setting = engine.spec.totals, engine.speculation()
+    body = {"mode": setting["mode"], "depth": totals.last_depth, "tokens_per_pass": totals.mean_tokens_per_pass,
+            "acceptance": [n / totals.num_drafts for n in totals.accepted_per_position] if totals.num_drafts else [],
+            "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
+            "requests_failed": engine.num_failed}
+    return web.Response(body=_json.encode(body), content_type="application/json")
 
 
 async def handle_get_speculation(request: web.Request) -> web.Response:
@@ -594,6 +640,8 @@ def create_app(engine: LLMEngine, cfg: EngineConfig) -> web.Application:
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
+    app.router.add_get("/stats", handle_stats)
+    app.router.add_get("/", handle_page)
     if cfg.server.admin_api:
         app.router.add_get("/admin/speculation", handle_get_speculation)
         app.router.add_post("/admin/speculation", handle_set_speculation)

@@ -104,6 +104,9 @@ class _Request(Struct, kw_only=True):
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] = 1.0   # vLLM's extension
     logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_BIASED_TOKENS)] | None = None   # token id -> bias
+    # specserve's extension (the chat page): each streamed choice also carries "provenance",
+    # its text in pieces [text, accepted draft tokens?, number of tokens].
+    provenance: bool = False
     # Not implemented (NOT_IMPLEMENTED): held only to be refused unless neutral.
     tools: list[Any] | None = None
     functions: list[Any] | None = None

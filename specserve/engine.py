@@ -49,6 +49,7 @@ class RequestOutput:
     # only grow while the request runs: entries up to len(token_ids) are this output's.
     logprobs: list | None = field(repr=False, default=None)
     prompt_logprobs: list | None = field(repr=False, default=None)
+    num_drafted: int = 0   # the first this many of new_token_ids are accepted draft tokens, the rest the target's
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -433,6 +434,7 @@ class LLMEngine:
     def _output(self, req: Request) -> RequestOutput:
         new_ids = req.token_ids[req.num_prompt_tokens + req.num_reported_tokens :]
         req.num_reported_tokens = req.num_output_tokens
+        num_drafted, req.num_step_drafted = min(req.num_step_drafted, len(new_ids)), 0
         new_text, req.new_text = req.new_text, ""
         req.text += new_text
         return RequestOutput(
@@ -448,6 +450,7 @@ class LLMEngine:
             error=req.error,
             logprobs=req.logprobs,
             prompt_logprobs=req.prompt_logprobs,
+            num_drafted=num_drafted,
         )
 
 

@@ -78,6 +78,7 @@ class Request:
         # the first (params.prompt_logprobs); None where not asked for.
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self.num_step_drafted = 0   # of the last step's tokens, the accepted draft tokens (they lead)
         self.stats = RequestStats(num_prompt_tokens=len(prompt_token_ids))
         if arrival_time is not None:
             self.stats.arrival_time = arrival_time

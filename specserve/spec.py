@@ -394,6 +394,7 @@ class Speculator:
                     src += slots_for(req.block_table, block_size, base + node, 1)
                     dst += slots_for(req.block_table, block_size, base + depth, 1)
             out[req.request_id] = [tree.tokens[k] for k in path] + [bonus[i]]
+            req.num_step_drafted = a
             if tree.num_nodes:
                 if self.drafter.has_kv:
                     # Only a chain's nodes sit at their final positions in the draft's KV.

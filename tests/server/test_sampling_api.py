@@ -123,3 +123,21 @@ def test_penalties_and_logit_bias_over_http_equal_the_engine(server, offline):
         assert got.choices[0].text == ref.text, kw
     biased = offline.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0.0, logit_bias={token: 100.0}))[0]
     assert biased.token_ids == [token] * 6
+
+
+def test_the_provenance_extension_is_opt_in_and_adds_up(server):
+    """With "provenance": true each chunk's pieces cover its tokens, and the accepted draft
+    tokens among them are the ones the engine counted; without it no chunk mentions it."""
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    before = server.engine.spec.totals.num_accepted_tokens
+    status, text = post(server, "/chat/completions", {"messages": messages, "max_tokens": 40, "temperature": 0,
+                                                      "stream": True, "provenance": True,
+                                                      "stream_options": {"include_usage": True}})
+    assert status == 200
+    chunks = [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
+    pieces = [p for c in chunks if c["choices"] for p in c["choices"][0]["provenance"]]
+    assert sum(n for _, _, n in pieces) == chunks[-1]["usage"]["completion_tokens"] == 40
+    drafted = sum(n for _, is_draft, n in pieces if is_draft)
+    assert 0 < drafted == server.engine.spec.totals.num_accepted_tokens - before
+    _, plain = post(server, "/chat/completions", {"messages": messages, "max_tokens": 8, "stream": True})
+    assert "provenance" not in plain

@@ -1,0 +1,108 @@
+"""The chat page at GET / in a real headless browser (Debian's chromium, driven by selenium):
+a prompt streams a reply whose tokens are shaded by provenance, the figures fill in, and the
+stop button aborts the request (its blocks come back). On failure the page's screenshot is
+saved beside the test's temporary files and its path is in the message.
+
+Needs `chromium` and `chromedriver` on PATH (Debian: `apt-get install chromium
+chromium-driver`; .ci/run installs them), and selenium (the dev extra)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+
+import pytest
+
+from specserve.engine import LLMEngine
+from tests.server.conftest import ServerThread, engine_config, wait_until
+
+BROWSER, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(not (BROWSER and DRIVER),
+                                reason="no chromium/chromedriver on PATH (apt-get install chromium chromium-driver)")
+
+
+@pytest.fixture(scope="module")
+def page_server(server_target, server_draft):
+    cfg = engine_config(server_target, server_draft, spec_mode="static", spec_depth=3)
+    srv = ServerThread(LLMEngine(cfg, progress=False), cfg)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = BROWSER
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1200,800"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+
+
+@contextlib.contextmanager
+def screenshot_on_failure(driver, path):
+    """On any failure inside, save the page as it is and name the file in the message."""
+    try:
+        yield
+    except Exception as e:
+        driver.save_screenshot(str(path))
+        raise AssertionError(f"{e} (screenshot: {path})") from e
+
+
+def text(driver, element_id: str) -> str:
+    return driver.find_element("id", element_id).text
+
+
+def test_a_prompt_streams_a_shaded_reply_and_the_figures_update(page_server, browser, tmp_path):
+    browser.get(page_server.base + "/")
+    with screenshot_on_failure(browser, tmp_path / "chat_page.png"):
+        assert browser.title == "specserve"
+        browser.find_element("id", "max-tokens").clear()
+        browser.find_element("id", "max-tokens").send_keys("60")
+        browser.find_element("id", "prompt").send_keys("Once upon a time")
+        browser.find_element("id", "send").click()
+        assert wait_until(lambda: text(browser, "status").startswith("done"), timeout=60), text(browser, "status")
+        spans = browser.find_elements("css selector", "#log .assistant span")
+        assert spans, "no streamed text appeared"
+        kinds = {s.get_attribute("class") for s in spans}
+        assert kinds == {"draft", "target"}, f"expected both accepted draft and target tokens, got {kinds}"
+        assert int(text(browser, "ntokens")) == 60
+        assert float(text(browser, "tps")) > 0
+        assert 1.0 <= float(text(browser, "tpp")) <= 4.0   # static depth 3: at most 4 tokens a pass
+        # The server figures poll /stats once a second.
+        assert wait_until(lambda: text(browser, "plan") == "static, depth 3", timeout=5), text(browser, "plan")
+        assert wait_until(lambda: len(browser.find_elements("css selector", "#acceptance .bar")) == 3, timeout=5)
+        assert float(text(browser, "server-tpp")) > 1.0
+
+
+def test_stop_aborts_the_request_and_frees_its_blocks(page_server, browser, tmp_path):
+    engine = page_server.engine
+    real_step = engine.step
+
+    def slow_step():   # about 20 steps a second: a 200-token reply takes seconds, time to press stop
+        time.sleep(0.05)
+        return real_step()
+
+    engine.step = slow_step
+    try:
+        browser.get(page_server.base + "/")
+        with screenshot_on_failure(browser, tmp_path / "chat_page_stop.png"):
+            browser.find_element("id", "max-tokens").clear()
+            browser.find_element("id", "max-tokens").send_keys("200")
+            browser.find_element("id", "prompt").send_keys("Tell me a long story")
+            browser.find_element("id", "send").click()
+            assert wait_until(lambda: browser.find_elements("css selector", "#log .assistant span"), timeout=30)
+            assert wait_until(lambda: engine.scheduler.running, timeout=10)
+            browser.find_element("id", "stop").click()
+            assert wait_until(lambda: text(browser, "status") == "stopped", timeout=10), text(browser, "status")
+            assert wait_until(lambda: not engine.has_unfinished_requests(), timeout=10), "the request was not aborted"
+            assert int(text(browser, "ntokens")) < 200
+            engine.pool.check_all_free()
+    finally:
+        engine.step = real_step
