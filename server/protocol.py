@@ -3,7 +3,7 @@
 `parse(raw, chat)` decodes a body or raises `ProtocolError`: a 400 naming the field, its value
 (abbreviated) and what is allowed. Bodies are bounded in size (the app's client_max_size, a
 413) and in nesting (MAX_DEPTH). Fields the service does not implement are refused with a 400
-naming them, unless they hold the value that changes nothing (a penalty of 0, no tools);
+naming them, unless they hold the value that changes nothing (no tools, min_p 0);
 unknown fields that change nothing (`user`, `metadata`) are accepted, as OpenAI's clients
 send them.
 """
@@ -68,11 +68,17 @@ ALLOWED = {
 }
 
 # Fields this server does not implement, and the value of each that changes nothing.
+# OpenAI's and vLLM's fields that would change the output: read from the body as sent.
 NOT_IMPLEMENTED = {
-    "suffix": (None, ""),
-    "best_of": (None, 1), "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
-    "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "suffix": (None, ""), "best_of": (None, 1), "tools": (None, []), "functions": (None, []),
+    "tool_choice": (None, "none"), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,), "reasoning_effort": (None,),
+    "min_p": (None, 0, 0.0), "bad_words": (None, []), "allowed_token_ids": (None,), "use_beam_search": (None, False),
+    "include_stop_str_in_output": (None, False), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,),
 }
+NOT_IMPLEMENTED_IN_CHAT = {"echo": (None, False)}
 
 
 class ProtocolError(Exception):
@@ -107,12 +113,6 @@ class _Request(Struct, kw_only=True):
     # specserve's extension (the chat page): each streamed choice also carries "provenance",
     # its text in pieces [text, accepted draft tokens?, number of tokens].
     provenance: bool = False
-    # Not implemented (NOT_IMPLEMENTED): held only to be refused unless neutral.
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
-    tool_choice: Any = None
-    function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
     @property
     def stops(self) -> list[str]:
@@ -124,8 +124,6 @@ class CompletionRequest(_Request, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] | None = None   # 0: echo only
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
 
 
 class ContentPart(Struct, kw_only=True):
@@ -193,8 +191,8 @@ def parse(raw: bytes, chat: bool) -> ChatRequest | CompletionRequest:
         req = msgspec.convert(body, ChatRequest if chat else CompletionRequest)
     except msgspec.ValidationError as e:
         raise _explain(e, body) from None
-    for name, neutral in NOT_IMPLEMENTED.items():
-        value = getattr(req, name, None)
+    for name, neutral in (NOT_IMPLEMENTED | NOT_IMPLEMENTED_IN_CHAT if chat else NOT_IMPLEMENTED).items():
+        value = body.get(name)
         if not any(value == v and type(value) is type(v) or value is v for v in neutral):
             raise ProtocolError(f"{name} = {_short(value)}: '{name}' is not implemented by this server", name)
     if chat:

@@ -87,6 +87,7 @@ def check_output(hf, prompt, out, k: int, temperature: float = 0.0) -> None:
         assert values == sorted(values, reverse=True)
         for alt, v in top:
             assert abs(v - row[alt].item()) < TOL
+            assert alt != tok or v == lp   # the sampled token, where listed, with its own figure
         if k:
             assert abs(values[0] - row.max().item()) < TOL
             if temperature == 0.0:

@@ -136,3 +136,23 @@ def test_queue_full_is_429_with_retry_after(srv):
     t.join(60)
     assert results["second"].usage.completion_tokens == 8
     good(srv)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    ("response_format", {"type": "json_object"}), ("modalities", ["text", "audio"]), ("min_p", 0.1),
+    ("bad_words", ["x"]), ("use_beam_search", True), ("guided_json", {"type": "object"}), ("echo", True),
+    ("include_stop_str_in_output", True), ("prompt_logprobs", 1),
+])
+def test_fields_that_would_change_the_output_are_refused_by_name(srv, field, value):
+    status, _, body = post(srv, "/chat/completions", {"model": srv.model, "messages": CHAT, field: value})
+    assert_error(status, body, 400, field, ["not implemented"])
+
+
+@pytest.mark.parametrize("field,value", [("tools", []), ("tool_choice", "none"), ("response_format", {"type": "text"}),
+                                         ("min_p", 0), ("user", "me"), ("metadata", {"a": "b"}), ("store", False),
+                                         ("parallel_tool_calls", True), ("echo", False)])
+def test_neutral_and_unknown_fields_are_accepted(srv, field, value):
+    status, _, body = post(srv, "/chat/completions", {"model": srv.model, "messages": CHAT, field: value,
+                                                      "max_tokens": 2})
+    assert status == 200, body
