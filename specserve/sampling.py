@@ -338,36 +338,28 @@ def token_logprobs(logits: Tensor, temperature: list[float], tokens: list[int], 
     return [(chosen[i], list(zip(ids[i][:k[i]], values[i][:k[i]])) if k[i] else []) for i in range(len(tokens))]
 
 
-def penalize(logits: Tensor, rows: list[int], params: list[SamplingParams], outputs: list[list[int]],
-             prompts: list[list[int]]) -> None:
-    """In place: apply params[i]'s logit_bias and penalties to row rows[i] of logits [N, V],
-    a row that follows the output tokens outputs[i] after the prompt prompts[i]."""
+def penalize(logits: Tensor, rows: list[int], params: SamplingParams, output: list[int], prompt: list[int],
+             paths: list[list[int]]) -> None:
+    """In place: apply one request's logit_bias and penalties to its rows of logits [N, V];
+    row rows[j] follows the output tokens `output` + paths[j] after `prompt`. Dense over the
+    vocabulary for this request's rows only, as vLLM's penalties are dense over a batch."""
     dev, dtype, vocab = logits.device, logits.dtype, logits.shape[1]
-
-    def dense(lists: list[list[int]], values: list[list[float]] | None = None) -> Tensor:
-        """[R, V]: the sum over each row's list of ones (or of the given values) at its ids."""
-        out = torch.zeros(len(lists), vocab, dtype=dtype, device=dev)
-        pairs = [(i, t, 1.0 if values is None else values[i][j]) for i, ids in enumerate(lists)
-                 for j, t in enumerate(ids) if 0 <= t < vocab]
-        if pairs:
-            r, t, v = zip(*pairs)
-            out.index_put_((torch.tensor(r, device=dev), torch.tensor(t, device=dev)),
-                           torch.tensor(v, dtype=dtype, device=dev), accumulate=True)
-        return out
-
-    def column(name: str) -> Tensor:
-        return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=dev)[:, None]
-
-    x = logits[rows]
-    biases = [p.logit_bias or {} for p in params]
-    if any(biases):
-        x += dense([list(b) for b in biases], [list(b.values()) for b in biases])
-    counts = dense(outputs)
-    if any(p.repetition_penalty != 1.0 for p in params):
-        seen = (counts > 0) | (dense([p if q.repetition_penalty != 1.0 else [] for p, q in zip(prompts, params)]) > 0)
-        penalty = column("repetition_penalty")
-        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
-    x -= column("frequency_penalty") * counts + column("presence_penalty") * (counts > 0).to(dtype)
+    x = logits[rows]                                                                   # [n, V]
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=dev)
+        x[:, ids] += torch.tensor(list(params.logit_bias.values()), dtype=dtype, device=dev)
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)[:vocab]
+    counts = counts.to(device=dev, dtype=dtype).expand(len(rows), vocab).clone()    # [n, V]
+    pairs = [(j, t) for j, path in enumerate(paths) for t in path]
+    if pairs:
+        r, t = torch.tensor(pairs, device=dev).unbind(1)
+        counts.index_put_((r, t), torch.ones(len(pairs), dtype=dtype, device=dev), accumulate=True)
+    if params.repetition_penalty != 1.0:
+        in_prompt = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        in_prompt[torch.tensor(prompt, device=dev)] = True
+        r = params.repetition_penalty
+        x = torch.where((counts > 0) | in_prompt, torch.where(x > 0, x / r, x * r), x)
+    x -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(dtype)
     logits[rows] = x
 
 

@@ -338,23 +338,16 @@ class Speculator:
         """Penalties and logit biases, row by row: a node's row follows the output so far and
         its own path (its ancestors and itself), so the target's distribution at every node is
         the one plain decoding would have used after that path."""
-        rows, params, outputs, prompts = [], [], [], []
         for v in verified:
             req, tree = v.seq.request, v.tree
             if not req.params.has_penalties:
                 continue
-            output, prompt = req.output_token_ids, req.prompt_token_ids
-            paths: list[list[int]] = []
-            for k in range(tree.num_nodes):   # BFS order: a parent's path is known before its children's
+            paths: list[list[int]] = [[]]   # the pending token's row, then each node's (BFS: parents first)
+            for k in range(tree.num_nodes):
                 parent = tree.parents[k]
-                paths.append((paths[parent] if parent >= 0 else []) + [tree.tokens[k]])
-            for j, path in enumerate([[]] + paths):
-                rows.append(v.first_row + j)
-                params.append(req.params)
-                outputs.append(output + path)
-                prompts.append(prompt)
-        if rows:
-            penalize(logits, rows, params, outputs, prompts)
+                paths.append(paths[parent + 1] + [tree.tokens[k]])
+            penalize(logits, list(range(v.first_row, v.first_row + len(paths))), req.params, req.output_token_ids,
+                     req.prompt_token_ids, paths)
 
     @staticmethod
     def _tree_accept(probs, target_argmax, draft_probs, tokens, parents, is_sampled, num_nodes, is_greedy,
