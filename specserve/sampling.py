@@ -322,9 +322,9 @@ def token_logprobs(logits: Tensor, temperature: list[float], tokens: list[int], 
     """Row i's log-probability of tokens[i] and its k[i] most likely tokens, for logits [R, V].
 
     The convention (as OpenAI reports them): log_softmax(logits / T) with the request's
-    temperature T (T = 0, greedy: the logits as they are), after min_tokens' masks and before
-    top-k and top-p, so the figures do not depend on how much of the distribution a request
-    samples from. Computed in the logits' dtype (float32, float64 for a float64 model)."""
+    temperature T (T = 0, greedy: the logits as they are), after penalties, logit_bias and
+    min_tokens' masks, and before top-k and top-p, so the figures do not depend on how much of
+    the distribution a request samples from. Computed in the logits' dtype (float32, float64 for a float64 model)."""
     if not tokens:
         return []
     dev = logits.device
