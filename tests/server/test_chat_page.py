@@ -14,20 +14,11 @@ import time
 
 import pytest
 
-from specserve.engine import LLMEngine
-from tests.server.conftest import ServerThread, engine_config, wait_until
+from tests.server.conftest import wait_until
 
 BROWSER, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(not (BROWSER and DRIVER),
                                 reason="no chromium/chromedriver on PATH (apt-get install chromium chromium-driver)")
-
-
-@pytest.fixture(scope="module")
-def page_server(server_target, server_draft):
-    cfg = engine_config(server_target, server_draft, spec_mode="static", spec_depth=3)
-    srv = ServerThread(LLMEngine(cfg, progress=False), cfg)
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture
@@ -59,8 +50,8 @@ def text(driver, element_id: str) -> str:
     return driver.find_element("id", element_id).text
 
 
-def test_a_prompt_streams_a_shaded_reply_and_the_figures_update(page_server, browser, tmp_path):
-    browser.get(page_server.base + "/")
+def test_a_prompt_streams_a_shaded_reply_and_the_figures_update(server, browser, tmp_path):
+    browser.get(server.base + "/")
     with screenshot_on_failure(browser, tmp_path / "chat_page.png"):
         assert browser.title == "specserve"
         browser.find_element("id", "max-tokens").clear()
@@ -81,8 +72,8 @@ def test_a_prompt_streams_a_shaded_reply_and_the_figures_update(page_server, bro
         assert float(text(browser, "server-tpp")) > 1.0
 
 
-def test_stop_aborts_the_request_and_frees_its_blocks(page_server, browser, tmp_path):
-    engine = page_server.engine
+def test_stop_aborts_the_request_and_frees_its_blocks(server, browser, tmp_path):
+    engine = server.engine
     real_step = engine.step
 
     def slow_step():   # about 20 steps a second: a 200-token reply takes seconds, time to press stop
@@ -91,7 +82,7 @@ def test_stop_aborts_the_request_and_frees_its_blocks(page_server, browser, tmp_
 
     engine.step = slow_step
     try:
-        browser.get(page_server.base + "/")
+        browser.get(server.base + "/")
         with screenshot_on_failure(browser, tmp_path / "chat_page_stop.png"):
             browser.find_element("id", "max-tokens").clear()
             browser.find_element("id", "max-tokens").send_keys("200")
