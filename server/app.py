@@ -1,8 +1,9 @@
-"""The OpenAI-compatible HTTP front door (DESIGN.md §7): aiohttp on an AsyncEngine.
+"""The OpenAI-compatible HTTP front door (DESIGN.md §7): aiohttp on an engine backend.
 
-The engine steps on its own thread, so this event loop only parses requests, tokenizes
-prompts and writes chunks: streams, /health and /metrics stay responsive while a step
-computes. A request's life here:
+The backend is an engine-core process (`specserve serve`: core.EngineCoreClient) or an
+engine on a worker thread of this process (AsyncEngine: tests, embedding); both have one
+interface. This event loop only parses requests, tokenizes prompts and writes chunks:
+streams, /health and /metrics stay responsive while a step computes. A request's life here:
 
     parse + validate (400/404) -> tokenize -> n x AsyncEngine.generate (400/429 at admission)
     -> first output -> headers -> chunks as outputs arrive -> usage -> [DONE]
@@ -31,6 +32,7 @@ import msgspec
 from aiohttp import web
 
 from specserve.config import EngineConfig
+from specserve.core import EngineCoreClient
 from specserve.engine import AsyncEngine, EngineDeadError, LLMEngine, QueueFullError, RequestOutput
 from specserve.errors import InvalidRequestError, SpecserveError
 from specserve.metrics import ServerMetrics
@@ -69,11 +71,10 @@ def _shutting_down() -> ApiError:
 
 @dataclass
 class ServerState:
-    engine: LLMEngine
     cfg: EngineConfig
     model_name: str
     metrics: ServerMetrics
-    async_engine: AsyncEngine | None = None
+    async_engine: AsyncEngine | EngineCoreClient   # started with the app
     max_token_bytes: int = 1   # the longest vocabulary entry in UTF-8 bytes: bytes of text per token at most
     draining: bool = False
     num_inflight: int = 0
@@ -162,9 +163,9 @@ async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choic
     if req.model is not None and req.model != state.model_name:
         raise ApiError(404, f"the model '{req.model}' does not exist; this server serves '{state.model_name}'",
                        "model", code="model_not_found")
-    tokenizer = state.engine.tokenizer
+    tokenizer = state.async_engine.tokenizer
     size = _text_size(req, chat)
-    max_model_len = state.engine.max_model_len
+    max_model_len = state.async_engine.max_model_len
     if size > max_model_len * state.max_token_bytes:
         # A token covers at most max_token_bytes bytes of text: so many cannot fit the context,
         # and tokenizing them would only cost time and memory.
@@ -527,7 +528,7 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
 async def handle_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     model = {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "specserve",
-             "root": state.cfg.target.path, "parent": None, "max_model_len": state.engine.max_model_len}
+             "root": state.cfg.target.path, "parent": None, "max_model_len": state.async_engine.max_model_len}
     return web.Response(body=_json.encode({"object": "list", "data": [model]}), content_type="application/json")
 
 
@@ -551,17 +552,16 @@ async def handle_page(request: web.Request) -> web.Response:
 
 async def handle_stats(request: web.Request) -> web.Response:
     """The figures the chat page shows beside the chat (JSON; /metrics has them all)."""
-    engine = request.app[STATE].engine
-    totals, setting = engine.spec.totals, engine.speculation()
-    body = {"mode": setting["mode"], "depth": totals.last_depth, "tokens_per_pass": totals.mean_tokens_per_pass,
-            "acceptance": [n / totals.num_drafts for n in totals.accepted_per_position] if totals.num_drafts else [],
-            "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
-            "requests_failed": engine.num_failed}
+    s = request.app[STATE].async_engine.snapshot()
+    body = {"mode": s["speculation"]["mode"], "depth": s["depth"], "tokens_per_pass": s["tokens_per_pass"],
+            "acceptance": [n / s["num_drafts"] for n in s["accepted_per_position"]] if s["num_drafts"] else [],
+            "running": s["running"], "waiting": s["waiting"], "requests_failed": s["failed"]}
     return web.Response(body=_json.encode(body), content_type="application/json")
 
 
 async def handle_get_speculation(request: web.Request) -> web.Response:
-    return web.Response(body=_json.encode(request.app[STATE].engine.speculation()), content_type="application/json")
+    speculation = request.app[STATE].async_engine.snapshot()["speculation"]
+    return web.Response(body=_json.encode(speculation), content_type="application/json")
 
 
 async def handle_set_speculation(request: web.Request) -> web.Response:
@@ -614,24 +614,26 @@ def model_name(cfg: EngineConfig) -> str:
     return cfg.server.served_model_name or Path(cfg.target.path).name
 
 
-def create_app(engine: LLMEngine, cfg: EngineConfig) -> web.Application:
-    """The app for an engine; the AsyncEngine starts and stops with the app (on its loop)."""
-    state = ServerState(engine=engine, cfg=cfg, model_name=model_name(cfg), metrics=ServerMetrics(engine),
-                        max_token_bytes=max(len(t.encode("utf-8", "replace")) for t in engine.tokenizer.get_vocab()),
-                        token_text=logprobs_json.TokenText(engine.tokenizer))
+def create_app(engine: LLMEngine | EngineCoreClient, cfg: EngineConfig) -> web.Application:
+    """The app for an engine (run on a worker thread) or an engine-core client; the backend
+    starts and stops with the app (on its loop)."""
+    backend = AsyncEngine(engine) if isinstance(engine, LLMEngine) else engine
+    tokenizer = backend.tokenizer
+    state = ServerState(cfg=cfg, model_name=model_name(cfg), metrics=ServerMetrics(backend.snapshot),
+                        async_engine=backend,
+                        max_token_bytes=max(len(t.encode("utf-8", "replace")) for t in tokenizer.get_vocab()),
+                        token_text=logprobs_json.TokenText(tokenizer))
     app = web.Application(middlewares=[_errors], client_max_size=protocol.MAX_BODY_BYTES)
     app[STATE] = state
 
     async def start_engine(app: web.Application) -> None:
         state.idle = asyncio.Event()
         state.idle.set()
-        state.async_engine = AsyncEngine(engine)
-        state.async_engine.start()
+        await backend.start()
 
     async def stop_engine(app: web.Application) -> None:
         state.draining = True
-        if state.async_engine is not None:
-            await state.async_engine.shutdown()
+        await backend.shutdown()
 
     app.on_startup.append(start_engine)
     app.on_cleanup.append(stop_engine)
@@ -659,7 +661,7 @@ async def drain(app: web.Application, timeout_s: float) -> int:
     except asyncio.TimeoutError:
         pass
     left = state.num_inflight
-    if left and state.async_engine is not None:
+    if left:
         state.async_engine.fail_all(EngineDeadError(f"the server is shutting down; this request did not finish "
                                                     f"within the {timeout_s:g} s drain"))
         try:   # their handlers write the error event and [DONE]
@@ -720,6 +722,9 @@ async def _serve(engine: LLMEngine, cfg: EngineConfig, sock: socket.socket) -> N
     site = web.SockSite(runner, sock)
     await site.start()
     host, port = sock.getsockname()[:2]
+    backend = app[STATE].async_engine
+    logger.info("max_model_len: %d, pid %d%s", backend.max_model_len, os.getpid(),
+                f", engine core pid {backend.pid}" if isinstance(backend, EngineCoreClient) else "")
     logger.info("serving '%s' on http://%s:%d (OpenAI API at /v1)", model_name(cfg), host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -736,10 +741,10 @@ async def _serve(engine: LLMEngine, cfg: EngineConfig, sock: socket.socket) -> N
 
 
 def serve(cfg: EngineConfig) -> None:
-    """`specserve serve`: take the port, build the engine, run until SIGTERM/SIGINT."""
+    """`specserve serve`: take the port, start the engine (an engine-core process, or a worker
+    thread of this one), run until SIGTERM/SIGINT."""
     sock = bind(cfg.server.host, cfg.server.port)
-    engine = LLMEngine(cfg)
     logger.info("target: %s", cfg.target.path)
     logger.info("draft: %s%s", cfg.draft.kind, f" {cfg.draft.path}" if cfg.draft.kind == "model" else "")
-    logger.info("max_model_len: %d, pid %d", engine.max_model_len, os.getpid())
+    engine = EngineCoreClient(cfg) if cfg.server.engine_process else LLMEngine(cfg)
     asyncio.run(_serve(engine, cfg, sock))

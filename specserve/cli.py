@@ -76,7 +76,8 @@ def cmd_serve(args) -> int:
 
     cfg = _engine_config(args)
     cfg = config_mod.with_overrides(cfg, host=args.host, port=args.port, admin_api=True if args.admin_api else None,
-                                    shutdown_timeout_s=args.shutdown_timeout)
+                                    shutdown_timeout_s=args.shutdown_timeout,
+                                    engine_process=False if args.engine_thread else None)
     serve(cfg)
     return 0
 
@@ -110,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--admin-api", action="store_true",
                    help="serve GET/POST /admin/speculation, to switch between adaptive and a static depth "
                         "while running (sets [server] admin_api)")
+    p.add_argument("--engine-thread", action="store_true",
+                   help="run the engine on a thread of the server's process instead of an engine-core process "
+                        "(sets [server] engine_process = false)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("calibrate", help="measure the step costs of a setup once, for faster starts")

@@ -92,6 +92,9 @@ class ServerConfig(_Section):
     idle_timeout_s: Annotated[float, Meta(gt=0.0)] = 15.0
     body_timeout_s: Annotated[float, Meta(gt=0.0)] = 30.0   # a request body must arrive within this
     max_connections: PositiveInt = 1024    # more open connections are closed at once
+    # The engine core in a process of its own (ZMQ to this one: core.py), so that HTTP, JSON
+    # and tokenization never hold the GIL a step needs; false: a worker thread of this process.
+    engine_process: bool = True
     # GET/POST /admin/speculation: read or switch the speculation setting of the running
     # server. Off by default: it changes how every client is served.
     admin_api: bool = False

@@ -294,6 +294,21 @@ class LLMEngine:
         or {"mode": "off"} (no draft)."""
         return self.spec.setting()
 
+    def snapshot(self) -> dict:
+        """The engine's state as plain data (what /metrics and /stats show; the engine-core
+        process sends it with its outputs)."""
+        totals, controller = self.spec.totals, self.spec.controller
+        return {
+            "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+            "kv_usage": self.pool.usage, "blocks_held": self.pool.num_blocks - self.pool.num_free_blocks,
+            "restarts": self.num_restarts, "failed": self.num_failed, "speculation": self.speculation(),
+            "num_drafts": totals.num_drafts, "num_draft_tokens": totals.num_draft_tokens,
+            "num_accepted_tokens": totals.num_accepted_tokens,
+            "accepted_per_position": list(totals.accepted_per_position),
+            "tokens_per_pass": totals.mean_tokens_per_pass, "depth": totals.last_depth,
+            "controller": controller.snapshot() if controller is not None else None,
+        }
+
     def set_speculation(self, mode: str, depth: int | None = None) -> dict:
         """Switch to the adaptive controller or a static depth between two steps (exact either
         way); InvalidRequestError names what cannot be. Returns the new setting."""
@@ -491,7 +506,7 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return not self.restarting and self._thread is not None and self._thread.is_alive()
 
-    def start(self) -> None:
+    async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
         self._thread.start()
@@ -502,8 +517,16 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 10.0)
 
-    def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def snapshot(self) -> dict:
+        return self.engine.snapshot()
 
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting)

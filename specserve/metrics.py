@@ -2,9 +2,9 @@
 
 Each `ServerMetrics` owns its own CollectorRegistry, so several apps (tests) can live in one
 process. Latencies and token counts are observed by the HTTP handlers as outputs reach the
-client; engine state (queue lengths, pool usage, the speculative counters of
-`engine.spec.totals`) is read at scrape time by a collector, so the exported counters are
-exactly the engine's, with no deltas to keep in step.
+client; engine state (queue lengths, pool usage, the speculative counters) is read from the
+engine's snapshot at scrape time by a collector, so the exported counters are exactly the
+engine's, with no deltas to keep in step.
 
 The names are a contract: the benchmark client scrapes them.
 """
@@ -20,59 +20,50 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160
 
 
 class _EngineCollector:
-    """Reads the engine at scrape time. The engine thread mutates these ints and lists; reading
-    them from the event loop is safe in CPython and at worst one step stale."""
+    """Reads the engine's snapshot (LLMEngine.snapshot) at scrape time."""
 
-    def __init__(self, engine):
-        self.engine = engine  # LLMEngine
+    def __init__(self, snapshot):
+        self.snapshot = snapshot  # () -> dict
 
     def collect(self):
-        engine = self.engine
-        g = GaugeMetricFamily("specserve_num_requests_running", "Requests being decoded (holding KV blocks).")
-        g.add_metric([], len(engine.scheduler.running))
-        yield g
-        g = GaugeMetricFamily("specserve_num_requests_waiting", "Requests queued for their first schedule.")
-        g.add_metric([], len(engine.scheduler.waiting))
-        yield g
-        g = GaugeMetricFamily("specserve_kv_cache_usage_perc", "Fraction of KV pool blocks held (0..1).")
-        g.add_metric([], engine.pool.usage)
-        yield g
-
-        for name, value, doc in (
-            ("specserve_engine_restarts", engine.num_restarts, "Times the engine was reset after its loop died."),
-            ("specserve_requests_failed", engine.num_failed, "Requests the engine failed alone (an error of theirs)."),
+        snap = self.snapshot()
+        for name, key, doc in (
+            ("specserve_num_requests_running", "running", "Requests being decoded (holding KV blocks)."),
+            ("specserve_num_requests_waiting", "waiting", "Requests queued for their first schedule."),
+            ("specserve_kv_cache_usage_perc", "kv_usage", "Fraction of KV pool blocks held (0..1)."),
+        ):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], snap[key])
+            yield g
+        for name, key, doc in (
+            ("specserve_engine_restarts", "restarts", "Times the engine was restarted after its loop or process died."),
+            ("specserve_requests_failed", "failed", "Requests the engine failed alone (an error of theirs)."),
+            ("specserve_spec_num_drafts", "num_drafts", "Speculative steps (a tree proposed and verified)."),
+            ("specserve_spec_num_draft_tokens", "num_draft_tokens", "Draft tokens (tree nodes) proposed."),
+            ("specserve_spec_num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted."),
         ):
             c = CounterMetricFamily(name, doc)
-            c.add_metric([], value)
-            yield c
-        totals = engine.spec.totals
-        for name, value, doc in (
-            ("specserve_spec_num_drafts", totals.num_drafts, "Speculative steps (a tree proposed and verified)."),
-            ("specserve_spec_num_draft_tokens", totals.num_draft_tokens, "Draft tokens (tree nodes) proposed."),
-            ("specserve_spec_num_accepted_tokens", totals.num_accepted_tokens, "Draft tokens accepted."),
-        ):
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], value)
+            c.add_metric([], snap[key])
             yield c
         c = CounterMetricFamily(
             "specserve_spec_accepted_per_position", "Times a draft token at depth `position` (from 1) was accepted.",
             labels=["position"],
         )
-        for pos, count in enumerate(list(totals.accepted_per_position)):
+        for pos, count in enumerate(snap["accepted_per_position"]):
             c.add_metric([str(pos + 1)], count)
         yield c
         g = GaugeMetricFamily("specserve_spec_mean_tokens_per_pass", "Tokens emitted per verifying target pass.")
-        g.add_metric([], totals.mean_tokens_per_pass)
+        g.add_metric([], snap["tokens_per_pass"])
         yield g
         g = GaugeMetricFamily("specserve_spec_depth", "Speculation depth in use (0 = plain decode).")
-        g.add_metric([], totals.last_depth)
+        g.add_metric([], snap["depth"])
         yield g
         g = GaugeMetricFamily("specserve_spec_adaptive", "1 while the adaptive controller plans the steps, 0 while "
                               "a static depth does.")
-        g.add_metric([], int(engine.spec.controller is not None))
+        g.add_metric([], int(snap["controller"] is not None))
         yield g
-        if engine.spec.controller is not None:
-            yield from _controller_metrics(engine.spec.controller.snapshot())
+        if snap["controller"] is not None:
+            yield from _controller_metrics(snap["controller"])
 
 
 def _controller_metrics(snap: dict):
@@ -114,7 +105,8 @@ def _controller_metrics(snap: dict):
 
 
 class ServerMetrics:
-    def __init__(self, engine):
+    def __init__(self, snapshot):
+        """snapshot: () -> the engine's state (LLMEngine.snapshot)."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.time_to_first_token = Histogram(
@@ -133,7 +125,7 @@ class ServerMetrics:
         )
         self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("specserve_generation_tokens", "Tokens generated.", registry=r)
-        r.register(_EngineCollector(engine))
+        r.register(_EngineCollector(snapshot))
 
     def observe_tokens(self, num_tokens: int, gap_s: float | None) -> None:
         """`num_tokens` new tokens of one request arrived `gap_s` after its previous ones

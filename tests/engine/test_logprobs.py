@@ -6,55 +6,14 @@ when a stop cuts an accepted run."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 from specserve import LLM, SamplingParams
 from specserve.errors import InvalidRequestError
-from tests.checkpoints import make_checkpoint
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 10, 11, 12, 13, 10, 11], [200 + i for i in range(21)]]
 TOL = 1e-9   # float64 on both sides
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("logprobs")
-    target = make_checkpoint(root / "target", "llama", dtype=torch.float64)
-    weak = root / "weak"   # the target with noise on every weight: accepts some, rejects some
-    shutil.copytree(target, weak)
-    g = torch.Generator().manual_seed(5)
-    sd = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g, dtype=v.dtype)
-          for k, v in load_file(weak / "model.safetensors").items()}
-    save_file(sd, weak / "model.safetensors", metadata={"format": "pt"})
-    return {"target": target, "weak": weak}
-
-
-@pytest.fixture(scope="module")
-def hf(models):
-    """transformers' model in float64 throughout: its rotary tables and RMSNorms, which
-    transformers computes in float32 whatever the model's dtype (1e-6 apart by themselves),
-    are made float64."""
-    model = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float64).eval()
-    cfg = model.config
-    dim = cfg.hidden_size // cfg.num_attention_heads
-    inv_freq = 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-
-    def rotary(x, position_ids):
-        freqs = position_ids[..., None].double() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-    model.model.rotary_emb.forward = rotary
-    for module in model.modules():
-        if type(module).__name__ == "LlamaRMSNorm":
-            module.forward = lambda x, m=module: m.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
-                                                                            + m.variance_epsilon))
-    return model
 
 
 def reference_logprobs(hf, ids: list[int], temperature: float = 0.0) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 
 from specserve import SamplingParams
 from specserve.errors import InvalidRequestError
-from tests.engine.test_logprobs import hf, make_llm, models  # noqa: F401  (fixtures)
+from tests.engine.test_logprobs import make_llm
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 10, 11, 12, 13, 10, 11], [200 + i for i in range(21)]]
 MAX_TOKENS = 16
@@ -55,13 +55,13 @@ def target_only(models):
 
 
 @pytest.mark.parametrize("name", ["frequency", "repetition", "logit_bias", "all"])
-def test_target_only_applies_the_penalties(hf, target_only, name):  # noqa: F811
+def test_target_only_applies_the_penalties(hf, target_only, name):
     assert target_only[name][2] == reference(hf, PROMPTS[2], SETTINGS[name])
 
 
 @pytest.mark.parametrize("draft,tree", [("target", "chain"), ("weak", "chain"), ("weak", "fixed"),
                                         ("weak", "dynamic"), ("ngram", "chain")])
-def test_greedy_speculation_is_exact_under_every_penalty(models, target_only, draft, tree):  # noqa: F811
+def test_greedy_speculation_is_exact_under_every_penalty(models, target_only, draft, tree):
     llm = make_llm(models, draft, tree)
     for name, kw in SETTINGS.items():
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, **kw)
@@ -87,7 +87,7 @@ def test_penalty_settings_are_bounded(kw, param):
     assert e.value.param == param
 
 
-def test_a_bias_outside_the_vocabulary_is_refused(models):  # noqa: F811
+def test_a_bias_outside_the_vocabulary_is_refused(models):
     llm = make_llm(models, "none")
     with pytest.raises(InvalidRequestError, match="outside the vocabulary") as e:
         llm.engine.add_request(None, [5, 6], SamplingParams(logit_bias={10**6: 1.0}))

@@ -1,0 +1,371 @@
+"""The engine core in a process of its own (DESIGN.md §7, vLLM v1's split).
+
+The core process owns the scheduler, the pool, the models and the controller, and runs
+`LLMEngine.step` in a loop that never waits on HTTP. The API server process talks to it
+through `EngineCoreClient`, which has AsyncEngine's interface, so the app serves either.
+Messages are msgspec (msgpack) Structs over two ZMQ sockets: adds, aborts and control to the
+core; each step's outputs (new tokens and text, finish reasons, logprobs, provenance) and
+the engine's snapshot (what /metrics shows) back, batched per step.
+
+Supervision: a core that dies (its loop raised, or it was killed) is noticed by the client
+within `_POLL_S`; every stream in flight ends with EngineDeadError, /health answers 503
+while a new core starts on fresh sockets, and `restarts` counts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from specserve.config import EngineConfig
+from specserve.engine import EngineDeadError, QueueFullError, RequestOutput
+from specserve.errors import InvalidRequestError
+from specserve.sampling import SamplingParams
+
+logger = logging.getLogger("specserve")
+
+_POLL_S = 0.2            # the client checks the core is alive at least this often
+_SNAPSHOT_S = 0.1        # the core sends its snapshot at most this often
+_START_TIMEOUT_S = 900   # loading a large pair takes a while
+
+
+# -- messages ---------------------------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class SetSpeculation(msgspec.Struct, tag=True):
+    call_id: int
+    mode: str
+    depth: int | None = None
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class CoreOutput(msgspec.Struct, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int] | None   # with a request's first output only
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    error: str | None
+    num_drafted: int
+    logprobs: list | None            # entries of new_token_ids
+    prompt_logprobs: list | None     # with the first output only
+
+
+class Ready(msgspec.Struct, tag=True):
+    max_model_len: int
+    snapshot: dict
+
+
+class Step(msgspec.Struct, tag=True):
+    outputs: list[CoreOutput]
+    snapshot: dict | None
+
+
+class Refused(msgspec.Struct, tag=True):   # add_request raised: the request never ran
+    request_id: str
+    queue_full: bool
+    message: str
+    param: str | None
+
+
+class Reply(msgspec.Struct, tag=True):
+    call_id: int
+    result: dict | None
+    message: str | None
+    param: str | None
+
+
+ToCore = AddRequest | Abort | SetSpeculation | Shutdown
+FromCore = Ready | Step | Refused | Reply
+
+
+# -- the core process -------------------------------------------------------------------------
+
+
+def run_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
+    """The core process's main: build the engine, then step while there is work and wait on
+    the input socket while there is none. An exception that escapes a step ends the process
+    (the client restarts it). Its lifetime is the API server's: signals to the process group
+    are left to the server (which drains, then sends Shutdown), and a core whose server is
+    gone exits."""
+    import signal
+
+    import zmq
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    parent = os.getppid()
+
+    from specserve.engine import LLMEngine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [core] %(message)s")
+    ctx = zmq.Context()
+    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.connect(in_addr)
+    outbox.connect(out_addr)
+    encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(ToCore).decode
+    engine = LLMEngine(config, progress=False)
+    outbox.send(encode(Ready(engine.max_model_len, engine.snapshot())))
+    first_output: set[str] = set()   # requests whose first output is still to come
+    last_snapshot, stepped = 0.0, False
+    while os.getppid() == parent:
+        busy = engine.has_unfinished_requests() or bool(engine._aborted)
+        timeout = 0 if busy else int(_SNAPSHOT_S * 1000)
+        while inbox.poll(timeout):
+            timeout = 0
+            msg = decode(inbox.recv())
+            if isinstance(msg, AddRequest):
+                try:
+                    engine.add_request(msg.request_id, msg.prompt_ids, msg.params)
+                    first_output.add(msg.request_id)
+                except InvalidRequestError as e:
+                    outbox.send(encode(Refused(msg.request_id, isinstance(e, QueueFullError), str(e), e.param)))
+            elif isinstance(msg, Abort):
+                for request_id in msg.request_ids:
+                    engine.abort_request(request_id)
+            elif isinstance(msg, SetSpeculation):
+                try:
+                    reply = Reply(msg.call_id, engine.set_speculation(msg.mode, msg.depth), None, None)
+                except InvalidRequestError as e:
+                    reply = Reply(msg.call_id, None, str(e), e.param)
+                outbox.send(encode(reply))
+            else:
+                return
+        outputs = []
+        if engine.has_unfinished_requests() or engine._aborted:
+            stepped = True
+            for out in engine.step():
+                first = out.request_id in first_output
+                if first or out.finished:
+                    first_output.discard(out.request_id)
+                end = len(out.token_ids)
+                outputs.append(CoreOutput(
+                    out.request_id, out.prompt_token_ids if first else None, out.new_token_ids, out.new_text,
+                    out.finished, out.finish_reason, out.error, out.num_drafted,
+                    out.logprobs[end - len(out.new_token_ids):end] if out.logprobs is not None else None,
+                    out.prompt_logprobs if first else None))
+        else:
+            engine.idle()
+        now = time.monotonic()
+        snapshot = None
+        if stepped and now - last_snapshot >= _SNAPSHOT_S:   # an idle engine's state does not change
+            snapshot, last_snapshot, stepped = engine.snapshot(), now, False
+        if outputs or snapshot is not None:
+            outbox.send(encode(Step(outputs, snapshot)))
+
+
+# -- the client in the API server -------------------------------------------------------------
+
+
+class _Stream:
+    """One request's outputs as the client rebuilds them (RequestOutput holds every token so far)."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.prompt_token_ids: list[int] = []
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list | None = None
+        self.prompt_logprobs: list | None = None
+
+    def output(self, o: CoreOutput) -> RequestOutput:
+        if o.prompt_token_ids is not None:
+            self.prompt_token_ids, self.prompt_logprobs = o.prompt_token_ids, o.prompt_logprobs
+        self.token_ids += o.new_token_ids
+        self.text += o.new_text
+        if o.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + o.logprobs
+        return RequestOutput(o.request_id, self.prompt_token_ids, list(self.token_ids), self.text, o.new_token_ids,
+                             o.new_text, o.finished, o.finish_reason, error=o.error, logprobs=self.logprobs,
+                             prompt_logprobs=self.prompt_logprobs, num_drafted=o.num_drafted)
+
+
+class EngineCoreClient:
+    """AsyncEngine's interface over an engine-core process (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig):
+        from specserve.model.loader import load_tokenizer
+
+        self.config = config
+        self.tokenizer = load_tokenizer(config.target.path)
+        self.max_model_len = 0             # from the core's Ready
+        self.restarts = 0
+        self.restarting = False
+        self.error: BaseException | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._snapshot: dict = {}
+        self._proc = None
+        self._ctx = None
+        self._stopping = False
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(FromCore).decode
+
+    @property
+    def is_alive(self) -> bool:
+        return not self.restarting and self._proc is not None and self._proc.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    async def start(self) -> None:
+        import zmq.asyncio
+
+        self._ctx = zmq.asyncio.Context()
+        await self._spawn()
+        self._watcher = asyncio.create_task(self._watch())
+
+    async def _spawn(self) -> None:
+        import zmq
+
+        base = os.path.join(tempfile.gettempdir(), f"specserve-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        in_addr, out_addr = f"ipc://{base}-in", f"ipc://{base}-out"
+        self._push, self._pull = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.bind(in_addr)
+        self._pull.bind(out_addr)
+        spawn = multiprocessing.get_context("spawn")
+        self._proc = spawn.Process(target=run_core, args=(self.config, in_addr, out_addr), name="specserve-core",
+                                   daemon=True)
+        self._proc.start()
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if await self._pull.poll(int(_POLL_S * 1000)):
+                msg = self._decode(await self._pull.recv())
+                if isinstance(msg, Ready):
+                    self.max_model_len, self._snapshot = msg.max_model_len, msg.snapshot
+                    logger.info("engine core ready (pid %d)", self._proc.pid)
+                    return
+            elif not self._proc.is_alive():
+                raise EngineDeadError(f"the engine core exited with code {self._proc.exitcode} while starting")
+        raise EngineDeadError(f"the engine core did not start within {_START_TIMEOUT_S} s")
+
+    async def _watch(self) -> None:
+        while not self._stopping:
+            if await self._pull.poll(int(_POLL_S * 1000)):
+                self._dispatch(self._decode(await self._pull.recv()))
+            elif not self._proc.is_alive() and not self._stopping:
+                await self._restart()
+
+    async def _restart(self) -> None:
+        code = self._proc.exitcode
+        logger.error("the engine core died (exit code %s); restarting it", code)
+        self.restarting, self.error = True, EngineDeadError(f"the engine core exited with code {code}")
+        self.fail_all(EngineDeadError(f"the engine stopped (its process exited with code {code}) and is "
+                                      "restarting; retry"))
+        self._push.close()
+        self._pull.close()
+        self.restarts += 1
+        while not self._stopping:
+            try:
+                await self._spawn()
+                break
+            except EngineDeadError as e:   # a core that cannot start: try again, not in a tight loop
+                logger.error("%s; trying again", e)
+                await asyncio.sleep(1.0)
+        self.restarting = False
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, Step):
+            if msg.snapshot is not None:
+                self._snapshot = msg.snapshot
+            for o in msg.outputs:
+                stream = self._streams.get(o.request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(stream.output(o))
+        elif isinstance(msg, Refused):
+            stream = self._streams.get(msg.request_id)
+            if stream is not None:
+                error = QueueFullError(msg.message) if msg.queue_full else InvalidRequestError(msg.message, msg.param)
+                stream.queue.put_nowait(error)
+        elif isinstance(msg, Reply):
+            future = self._calls.pop(msg.call_id, None)
+            if future is not None and not future.done():
+                future.set_result(msg.result if msg.message is None else InvalidRequestError(msg.message, msg.param))
+
+    def _send(self, msg) -> None:
+        self._push.send(self._encode(msg))   # PUSH to a live peer: queued, never blocks here
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        if self._proc is None:
+            return
+        if self._proc.is_alive():
+            self._send(Shutdown())
+            await asyncio.to_thread(self._proc.join, 10.0)
+            if self._proc.is_alive():
+                self._proc.kill()
+        self._ctx.destroy(linger=0)
+
+    def snapshot(self) -> dict:
+        return {**self._snapshot, "restarts": self._snapshot.get("restarts", 0) + self.restarts}
+
+    def num_waiting(self) -> int:
+        return self._snapshot.get("waiting", 0)
+
+    async def generate(self, prompt: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running: {self.error!r}")
+        stream = self._streams[request_id] = _Stream()
+        self._send(AddRequest(request_id, list(prompt), params))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = isinstance(item, InvalidRequestError)   # refused: never added
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self.is_alive:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(Abort([request_id]))
+
+    async def set_speculation(self, mode: str, depth: int | None = None) -> dict:
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running: {self.error!r}")
+        call_id = len(self._calls) + int(time.monotonic_ns())
+        future = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        self._send(SetSpeculation(call_id, mode, depth))
+        result = await future
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def fail_all(self, error: Exception) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_result(error)
+        self._calls.clear()

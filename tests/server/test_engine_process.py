@@ -1,0 +1,131 @@
+"""The engine core in its own process (specserve/core.py) behind the same app: greedy outputs
+of 32 concurrent streams equal offline LLM.generate (speculation on, float64); killing the
+core mid-stream ends every stream with an error event and [DONE], /health answers 503 until
+a new core serves, and the restart is counted; a client that disconnects aborts its request
+in the core, whose blocks come back."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from specserve.core import EngineCoreClient
+from specserve.llm import LLM
+from specserve.sampling import SamplingParams
+from tests.server.conftest import ServerThread, engine_config, wait_until
+
+PROMPTS = [f"Story {i}: once upon a time" for i in range(32)]
+
+
+@pytest.fixture(scope="module")
+def cfg(server_target, server_draft):
+    return engine_config(server_target, server_draft, spec_mode="static", spec_depth=3, dtype="float64",
+                         max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def core_server(cfg):
+    srv = ServerThread(EngineCoreClient(cfg), cfg)
+    yield srv
+    srv.stop()
+
+
+def backend(srv) -> EngineCoreClient:
+    from specserve.server.app import STATE
+
+    return srv.app[STATE].async_engine
+
+
+def stream(srv, body: dict) -> list[str]:
+    """The data lines of one SSE stream."""
+    req = urllib.request.Request(srv.url + "/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return [line[6:] for line in r.read().decode().split("\n\n") if line.startswith("data: ")]
+
+
+def health(srv) -> int:
+    try:
+        with urllib.request.urlopen(srv.base + "/health", timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_32_concurrent_streams_equal_offline(core_server, cfg):
+    offline = LLM(cfg, progress=False).generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
+    texts: dict[int, str] = {}
+
+    def run(i: int):
+        events = stream(core_server, {"prompt": PROMPTS[i], "max_tokens": 24, "temperature": 0})
+        assert events[-1] == "[DONE]"
+        texts[i] = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert [texts.get(i) for i in range(len(PROMPTS))] == [o.text for o in offline]
+    snap = backend(core_server).snapshot()
+    assert snap["num_accepted_tokens"] > 0 and snap["speculation"] == {"mode": "static", "depth": 3}
+
+
+def test_a_disconnect_aborts_the_request_in_the_core(core_server):
+    body = json.dumps({"prompt": "A long story", "max_tokens": 200, "ignore_eos": True, "stream": True,
+                       "temperature": 0.8}).encode()
+    with socket.create_connection(("127.0.0.1", core_server.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        received = b""
+        while b"data: " not in received:
+            chunk = s.recv(4096)
+            assert chunk, received
+            received += chunk
+    # The core's own snapshot: nothing running and no block held once the abort arrived.
+    core = backend(core_server)
+    assert wait_until(lambda: core.snapshot()["running"] == 0 and core.snapshot()["blocks_held"] == 0, timeout=20), \
+        core.snapshot()
+
+
+def test_a_killed_core_ends_every_stream_and_is_restarted(core_server):
+    core = backend(core_server)
+    pid, restarts = core.pid, core.snapshot()["restarts"]
+    results: dict[int, list[str]] = {}
+    started = threading.Barrier(5)
+
+    def run(i: int):
+        req = urllib.request.Request(core_server.url + "/completions", data=json.dumps(
+            {"prompt": PROMPTS[i], "max_tokens": 480, "ignore_eos": True, "temperature": 0.7,
+             "stream": True}).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            first = r.readline()   # the first event: the request is running
+            started.wait(30)
+            results[i] = [first.decode()[6:].strip()] + [
+                line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    started.wait(60)
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(60)
+    assert len(results) == 4
+    for events in results.values():
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "engine_unavailable" and "restarting" in error["message"]
+    assert wait_until(lambda: health(core_server) == 200, timeout=120), "the core was not restarted"
+    assert core.pid != pid and core.snapshot()["restarts"] == restarts + 1
+    events = stream(core_server, {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    with urllib.request.urlopen(core_server.base + "/metrics", timeout=10) as r:
+        assert f"specserve_engine_restarts_total {restarts + 1}.0" in r.read().decode()
