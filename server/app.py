@@ -32,7 +32,7 @@ import msgspec
 from aiohttp import web
 
 from specserve.config import EngineConfig
-from specserve.core import EngineCoreClient
+from specserve.core import EngineCoreClient, EngineGroup
 from specserve.engine import AsyncEngine, EngineDeadError, LLMEngine, QueueFullError, RequestOutput
 from specserve.errors import InvalidRequestError, SpecserveError
 from specserve.metrics import ServerMetrics
@@ -74,7 +74,7 @@ class ServerState:
     cfg: EngineConfig
     model_name: str
     metrics: ServerMetrics
-    async_engine: AsyncEngine | EngineCoreClient   # started with the app
+    async_engine: AsyncEngine | EngineCoreClient | EngineGroup   # started with the app
     max_token_bytes: int = 1   # the longest vocabulary entry in UTF-8 bytes: bytes of text per token at most
     draining: bool = False
     num_inflight: int = 0
@@ -614,7 +614,7 @@ def model_name(cfg: EngineConfig) -> str:
     return cfg.server.served_model_name or Path(cfg.target.path).name
 
 
-def create_app(engine: LLMEngine | EngineCoreClient, cfg: EngineConfig) -> web.Application:
+def create_app(engine: LLMEngine | EngineCoreClient | EngineGroup, cfg: EngineConfig) -> web.Application:
     """The app for an engine (run on a worker thread) or an engine-core client; the backend
     starts and stops with the app (on its loop)."""
     backend = AsyncEngine(engine) if isinstance(engine, LLMEngine) else engine
@@ -723,8 +723,9 @@ async def _serve(engine: LLMEngine, cfg: EngineConfig, sock: socket.socket) -> N
     await site.start()
     host, port = sock.getsockname()[:2]
     backend = app[STATE].async_engine
+    cores = backend.cores if isinstance(backend, EngineGroup) else [backend]
     logger.info("max_model_len: %d, pid %d%s", backend.max_model_len, os.getpid(),
-                f", engine core pid {backend.pid}" if isinstance(backend, EngineCoreClient) else "")
+                f", engine core pids {', '.join(str(c.pid) for c in cores)}" if hasattr(cores[0], "pid") else "")
     logger.info("serving '%s' on http://%s:%d (OpenAI API at /v1)", model_name(cfg), host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -746,5 +747,8 @@ def serve(cfg: EngineConfig) -> None:
     sock = bind(cfg.server.host, cfg.server.port)
     logger.info("target: %s", cfg.target.path)
     logger.info("draft: %s%s", cfg.draft.kind, f" {cfg.draft.path}" if cfg.draft.kind == "model" else "")
-    engine = EngineCoreClient(cfg) if cfg.server.engine_process else LLMEngine(cfg)
+    if cfg.server.engines > 1:
+        engine = EngineGroup(cfg, cfg.server.engines)
+    else:
+        engine = EngineCoreClient(cfg) if cfg.server.engine_process else LLMEngine(cfg)
     asyncio.run(_serve(engine, cfg, sock))

@@ -77,7 +77,7 @@ def cmd_serve(args) -> int:
     cfg = _engine_config(args)
     cfg = config_mod.with_overrides(cfg, host=args.host, port=args.port, admin_api=True if args.admin_api else None,
                                     shutdown_timeout_s=args.shutdown_timeout,
-                                    engine_process=False if args.engine_thread else None)
+                                    engine_process=False if args.engine_thread else None, engines=args.engines)
     serve(cfg)
     return 0
 
@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--admin-api", action="store_true",
                    help="serve GET/POST /admin/speculation, to switch between adaptive and a static depth "
                         "while running (sets [server] admin_api)")
+    p.add_argument("--engines", type=int, help="engine cores behind the server (data parallel; sets [server] engines)")
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server's process instead of an engine-core process "
                         "(sets [server] engine_process = false)")

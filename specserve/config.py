@@ -95,6 +95,10 @@ class ServerConfig(_Section):
     # The engine core in a process of its own (ZMQ to this one: core.py), so that HTTP, JSON
     # and tokenization never hold the GIL a step needs; false: a worker thread of this process.
     engine_process: bool = True
+    # Engine cores behind this server (data parallel, each its own process): on the CPU each
+    # takes its share of the cores, with GPUs one GPU each. Requests go to the core holding
+    # the longest prefix of their prompt, else to the least loaded.
+    engines: Annotated[int, Meta(ge=1, le=64)] = 1
     # GET/POST /admin/speculation: read or switch the speculation setting of the running
     # server. Off by default: it changes how every client is served.
     admin_api: bool = False
@@ -213,6 +217,9 @@ def _finish(cfg: EngineConfig, source: str, base_dir: Path | None) -> EngineConf
         )
     if cfg.spec.tree == "fixed" and not cfg.spec.branching:
         raise ConfigError(f"{source}: spec.tree = 'fixed' needs spec.branching, e.g. [4, 2, 2, 1]")
+    if cfg.server.engines > 1 and not cfg.server.engine_process:
+        raise ConfigError(f"{source}: server.engines = {cfg.server.engines} runs each engine core in a process of "
+                          "its own; it cannot be combined with server.engine_process = false")
     if cfg.spec.depth > cfg.spec.max_depth:
         raise ConfigError(f"{source}: spec.depth = {cfg.spec.depth} must be <= spec.max_depth = {cfg.spec.max_depth}")
     return cfg

@@ -104,7 +104,7 @@ FromCore = Ready | Step | Refused | Reply
 # -- the core process -------------------------------------------------------------------------
 
 
-def run_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
+def run_core(config: EngineConfig, in_addr: str, out_addr: str, cpus: list[int] | None = None) -> None:
     """The core process's main: build the engine, then step while there is work and wait on
     the input socket while there is none. An exception that escapes a step ends the process
     (the client restarts it). Its lifetime is the API server's: signals to the process group
@@ -117,6 +117,8 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     parent = os.getppid()
+    if cpus:   # one of several cores on this machine: its share of the CPUs
+        os.sched_setaffinity(0, cpus)
 
     from specserve.engine import LLMEngine
 
@@ -205,11 +207,14 @@ class _Stream:
 class EngineCoreClient:
     """AsyncEngine's interface over an engine-core process (see the module docstring)."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tokenizer=None, cpus: list[int] | None = None,
+                 env: dict[str, str] | None = None):
+        """cpus: the CPUs the core may run on (None: all); env: variables its process starts
+        with (CUDA_VISIBLE_DEVICES for a core of its own GPU)."""
         from specserve.model.loader import load_tokenizer
 
-        self.config = config
-        self.tokenizer = load_tokenizer(config.target.path)
+        self.config, self.cpus, self.env = config, cpus, env or {}
+        self.tokenizer = tokenizer or load_tokenizer(config.target.path)
         self.max_model_len = 0             # from the core's Ready
         self.restarts = 0
         self.restarting = False
@@ -248,9 +253,18 @@ class EngineCoreClient:
         self._push.bind(in_addr)
         self._pull.bind(out_addr)
         spawn = multiprocessing.get_context("spawn")
-        self._proc = spawn.Process(target=run_core, args=(self.config, in_addr, out_addr), name="specserve-core",
-                                   daemon=True)
-        self._proc.start()
+        self._proc = spawn.Process(target=run_core, args=(self.config, in_addr, out_addr, self.cpus),
+                                   name="specserve-core", daemon=True)
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)   # a spawned process starts with the environment of this moment
+        try:
+            self._proc.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         deadline = time.monotonic() + _START_TIMEOUT_S
         while time.monotonic() < deadline:
             if await self._pull.poll(int(_POLL_S * 1000)):
@@ -369,3 +383,140 @@ class EngineCoreClient:
             if not future.done():
                 future.set_result(error)
         self._calls.clear()
+
+
+# -- several engine cores behind one API server ----------------------------------------------
+
+
+class EngineGroup:
+    """N engine cores on one machine (data parallel), with EngineCoreClient's interface. On the
+    CPU each core gets its share of the cores; with GPUs, one GPU each. A request goes to the
+    core that last served the longest prefix of its prompt (whole KV blocks: that core's prefix
+    cache holds it), unless that core has `_AFFINITY_SLACK` more requests in flight than the
+    least loaded one; else to the least loaded core."""
+
+    _AFFINITY_SLACK = 4
+    _REMEMBERED_BLOCKS = 1 << 16
+
+    def __init__(self, config: EngineConfig, num_engines: int):
+        from collections import OrderedDict
+
+        import torch
+
+        from specserve.model.loader import load_tokenizer
+
+        self.tokenizer = load_tokenizer(config.target.path)
+        self.block_size = config.cache.block_size
+        gpus = torch.cuda.device_count() if config.device in ("auto", "cuda") else 0
+        cpus = sorted(os.sched_getaffinity(0))
+        share = max(1, len(cpus) // num_engines)
+        self.cores = []
+        for i in range(num_engines):
+            if gpus:
+                cfg, placement = config, dict(env={"CUDA_VISIBLE_DEVICES": str(i % gpus)})
+            else:
+                mine = cpus[i * share:(i + 1) * share] or cpus[-share:]
+                threads = config.cpu.threads or len(mine)
+                cfg = msgspec.structs.replace(config, cpu=msgspec.structs.replace(config.cpu, threads=threads))
+                placement = dict(cpus=mine)
+            self.cores.append(EngineCoreClient(cfg, tokenizer=self.tokenizer, **placement))
+        self.inflight = [0] * num_engines
+        self.routed = [0] * num_engines
+        self._owner: OrderedDict[int, int] = OrderedDict()   # prefix hash (whole blocks) -> core
+        self._core_of: dict[str, int] = {}                   # request id -> core
+
+    @property
+    def max_model_len(self) -> int:
+        return min(c.max_model_len for c in self.cores)
+
+    @property
+    def is_alive(self) -> bool:
+        return any(c.is_alive for c in self.cores)
+
+    @property
+    def restarting(self) -> bool:
+        return all(c.restarting for c in self.cores)
+
+    @property
+    def error(self):
+        return next((c.error for c in self.cores if c.error is not None), None)
+
+    async def start(self) -> None:
+        await asyncio.gather(*(c.start() for c in self.cores))
+
+    async def shutdown(self) -> None:
+        await asyncio.gather(*(c.shutdown() for c in self.cores))
+
+    def _prefix_hashes(self, prompt: list[int]) -> list[int]:
+        hashes, h, bs = [], 0, self.block_size
+        for start in range(0, len(prompt) - bs + 1, bs):
+            h = hash((h, tuple(prompt[start:start + bs])))
+            hashes.append(h)
+        return hashes
+
+    def route(self, prompt: list[int]) -> int:
+        alive = [i for i, c in enumerate(self.cores) if c.is_alive]
+        if not alive:
+            return 0
+        least = min(alive, key=lambda i: self.inflight[i])
+        hashes = self._prefix_hashes(prompt)
+        chosen = least
+        for h in reversed(hashes):   # the longest prefix some core served
+            owner = self._owner.get(h)
+            if owner is not None:
+                if owner in alive and self.inflight[owner] <= self.inflight[least] + self._AFFINITY_SLACK:
+                    chosen = owner
+                break
+        for h in hashes:
+            self._owner[h] = chosen
+            self._owner.move_to_end(h)
+        while len(self._owner) > self._REMEMBERED_BLOCKS:
+            self._owner.popitem(last=False)
+        return chosen
+
+    async def generate(self, prompt: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        i = self.route(list(prompt))
+        self.inflight[i] += 1
+        self.routed[i] += 1
+        self._core_of[request_id] = i
+        try:
+            async for out in self.cores[i].generate(prompt, params, request_id):
+                yield out
+        finally:
+            self.inflight[i] -= 1
+            self._core_of.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        i = self._core_of.get(request_id)
+        if i is not None:
+            self.cores[i].abort(request_id)
+
+    def num_waiting(self) -> int:
+        return sum(c.num_waiting() for c in self.cores)
+
+    def snapshot(self) -> dict:
+        """The cores' snapshots summed (counters, queue lengths, accepted per position), the
+        KV usage averaged, the speculation setting and controller of the first; each core's
+        own under "engines"."""
+        snaps = [{**c.snapshot(), "routed": self.routed[i]} for i, c in enumerate(self.cores)]
+        total = dict(snaps[0])
+        for key in ("running", "waiting", "blocks_held", "prefix_cache_queries", "prefix_cache_hits", "restarts",
+                    "failed", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "routed"):
+            total[key] = sum(s.get(key, 0) for s in snaps)
+        total["kv_usage"] = sum(s.get("kv_usage", 0.0) for s in snaps) / len(snaps)
+        width = max(len(s.get("accepted_per_position", [])) for s in snaps)
+        total["accepted_per_position"] = [sum(s["accepted_per_position"][p] for s in snaps
+                                              if p < len(s.get("accepted_per_position", []))) for p in range(width)]
+        drafts = total.get("num_drafts", 0)
+        total["tokens_per_pass"] = ((drafts + total.get("num_accepted_tokens", 0)) / drafts) if drafts else 1.0
+        total["engines"] = snaps
+        return total
+
+    async def set_speculation(self, mode: str, depth: int | None = None) -> dict:
+        results = await asyncio.gather(*(c.set_speculation(mode, depth) for c in self.cores))
+        return results[0]
+
+    def fail_all(self, error: Exception) -> None:
+        for c in self.cores:
+            c.fail_all(error)

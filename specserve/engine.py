@@ -301,6 +301,8 @@ class LLMEngine:
         return {
             "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
             "kv_usage": self.pool.usage, "blocks_held": self.pool.num_blocks - self.pool.num_free_blocks,
+            "prefix_cache_queries": self.pool.prefix_cache_query_tokens,
+            "prefix_cache_hits": self.pool.prefix_cache_hit_tokens,
             "restarts": self.num_restarts, "failed": self.num_failed, "speculation": self.speculation(),
             "num_drafts": totals.num_drafts, "num_draft_tokens": totals.num_draft_tokens,
             "num_accepted_tokens": totals.num_accepted_tokens,

@@ -41,10 +41,23 @@ class _EngineCollector:
             ("specserve_spec_num_drafts", "num_drafts", "Speculative steps (a tree proposed and verified)."),
             ("specserve_spec_num_draft_tokens", "num_draft_tokens", "Draft tokens (tree nodes) proposed."),
             ("specserve_spec_num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted."),
+            ("specserve_prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+            ("specserve_prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
         ):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], snap[key])
             yield c
+        for name, key, doc in (   # with several engine cores (--engines N): each one's share
+            ("specserve_engine_num_requests_running", "running", "Requests being decoded, by engine core."),
+            ("specserve_engine_num_requests_waiting", "waiting", "Requests queued, by engine core."),
+            ("specserve_engine_prefix_cache_hits", "prefix_cache_hits", "Prefix-cache hit tokens, by engine core."),
+            ("specserve_engine_requests_routed", "routed", "Requests routed to each engine core."),
+        ):
+            if "engines" in snap:
+                g = GaugeMetricFamily(name, doc, labels=["engine"])
+                for i, engine in enumerate(snap["engines"]):
+                    g.add_metric([str(i)], engine[key])
+                yield g
         c = CounterMetricFamily(
             "specserve_spec_accepted_per_position", "Times a draft token at depth `position` (from 1) was accepted.",
             labels=["position"],

@@ -168,3 +168,10 @@ def test_with_overrides_errors_name_the_setting():
     with pytest.raises(ConfigError) as e:
         C.with_overrides(base, spec__nodes=3)
     assert "spec.nodes" in str(e.value)
+
+
+def test_several_engines_need_engine_processes():
+    with pytest.raises(ConfigError) as e:
+        C.from_dict({"server": {"engines": 2, "engine_process": False}})
+    assert "server.engines = 2" in str(e.value) and "engine_process" in str(e.value)
+    assert C.from_dict({"server": {"engines": 2}}).server.engines == 2
