@@ -7,9 +7,10 @@
 At each concurrency C, C clients each send a request as soon as their previous one ends, over
 the held-out prompts (greedy, EOS ignored, max_tokens each), until 2C (at least 16) are served.
 In process the clients are tasks on an AsyncEngine; over HTTP they are benchmarks.loadgen
-against `specserve serve` started with and without --engine-thread. The three modes run one
-after the other at each concurrency, their order rotated between concurrencies; the output
-is a table (and JSON, and a plot beside it).
+against `specserve serve` started with and without --engine-thread. Every mode serves WARMUP
+requests one at a time before it is timed. The three modes run one after the other at each
+concurrency, their order rotated between concurrencies; the output is a table (and JSON, and
+a plot beside it).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from benchmarks import loadgen, sweep
 from benchmarks.runinfo import git_commit
 
 PROMPTS = Path(__file__).parent / "data" / "heldout_prompts.jsonl"
+WARMUP = 4   # requests served before the timed load, in every mode
 MODES = ["in_process", "http_thread", "http_process"]
 
 
@@ -41,6 +43,9 @@ def in_process(config: str | None, concurrency: int, prompts: list[str], max_tok
     async def run() -> dict:
         backend = AsyncEngine(engine)
         await backend.start()
+        for i in range(min(WARMUP, len(ids))):   # as over HTTP: the first requests build what shapes need
+            async for _ in backend.generate(ids[i], params, f"warmup-{i}"):
+                pass
         queue = list(range(len(ids)))
         results: list[loadgen.RequestResult] = []
 
@@ -83,6 +88,11 @@ def over_http(mode: str, config: str | None, concurrency: int, prompts: list[str
         sweep.wait_healthy(base, proc, 300)
         prompts_file = out_dir / f"prompts-c{concurrency}.jsonl"   # these prompts, in loadgen's order
         prompts_file.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+        warmup = out_dir / "prompts-warmup.jsonl"
+        warmup.write_text("".join(json.dumps(p) + "\n" for p in prompts[:WARMUP]))
+        loadgen.main(["--base-url", base, "--model", model_name(base), "--num-prompts", str(WARMUP),
+                      "--max-concurrency", "1", "--max-tokens", str(max_tokens), "--ignore-eos",
+                      "--prompts-file", str(warmup), "--no-progress"])
         res = loadgen.main(["--base-url", base, "--model", model_name(base), "--num-prompts", str(len(prompts)),
                             "--max-concurrency", str(concurrency), "--max-tokens", str(max_tokens),
                             "--ignore-eos", "--prompts-file", str(prompts_file), "--no-progress"])

@@ -78,6 +78,11 @@ def cmd_serve(args) -> int:
     cfg = config_mod.with_overrides(cfg, host=args.host, port=args.port, admin_api=True if args.admin_api else None,
                                     shutdown_timeout_s=args.shutdown_timeout,
                                     engine_process=False if args.engine_thread else None, engines=args.engines)
+    if args.ray:
+        from specserve.server.ray_serve import serve_on_ray
+
+        serve_on_ray(cfg, args.replicas, args.max_replicas)
+        return 0
     serve(cfg)
     return 0
 
@@ -112,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="serve GET/POST /admin/speculation, to switch between adaptive and a static depth "
                         "while running (sets [server] admin_api)")
     p.add_argument("--engines", type=int, help="engine cores behind the server (data parallel; sets [server] engines)")
+    p.add_argument("--ray", action="store_true", help="serve on Ray Serve, one engine per replica (pip install -e "
+                   "'.[ray]'; the cluster of RAY_ADDRESS, else a local one)")
+    p.add_argument("--replicas", type=int, default=1, help="with --ray: replicas (engines)")
+    p.add_argument("--max-replicas", type=int, help="with --ray: scale up to this many on requests in flight")
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server's process instead of an engine-core process "
                         "(sets [server] engine_process = false)")

@@ -1,0 +1,229 @@
+"""specserve on Ray Serve: one engine per replica, for more than one machine (DESIGN.md §9).
+
+    specserve serve --ray --replicas 2 [--max-replicas 8]    # a local Ray, or RAY_ADDRESS's cluster
+
+`EngineReplica` runs the whole specserve server of one engine (the aiohttp app on an engine
+thread) on a loopback port inside its replica, and forwards each request to it, streaming
+the response back in the chunks it was written: the SSE bytes are specserve's own, byte for
+byte. `Ingress` takes the OpenAI routes at Ray Serve's HTTP proxy and calls a replica through
+a deployment handle whose request router (`PrefixAffinityRouter`) prefers the replica that
+served the longest prefix of the request's prompt, unless it has `slack` more requests in
+flight than the least loaded one, and otherwise ranks every replica (Ray then takes the one
+with the shortest queue). Ray Serve replaces a replica that dies; its requests in flight end
+with an error event and [DONE]. With --max-replicas the replicas scale between the two
+counts on requests in flight per replica (Ray Serve's target_ongoing_requests).
+
+Ray is an optional extra: `pip install -e ".[ray]"`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from collections import OrderedDict
+
+logger = logging.getLogger("specserve.ray")
+
+_CHUNK_CHARS = 64          # prefix affinity hashes the prompt text in chunks of this many characters
+_REMEMBERED_CHUNKS = 1 << 16
+
+
+def prompt_text(path: str, body: bytes) -> str:
+    """The text a request's prompt starts with: a completion's prompt, or a chat's messages."""
+    try:
+        req = json.loads(body)
+    except ValueError:
+        return ""
+    if not isinstance(req, dict):
+        return ""
+    if path.endswith("/chat/completions"):
+        parts = []
+        for m in req.get("messages") or []:
+            if isinstance(m, dict):
+                content = m.get("content")
+                parts.append(f"{m.get('role')}\n{content if isinstance(content, str) else json.dumps(content)}\n")
+        return "".join(parts)
+    prompt = req.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def prefix_keys(text: str) -> list[int]:
+    """A hash per whole chunk of the text, each covering everything before it too."""
+    keys, h = [], 0
+    for start in range(0, len(text) - _CHUNK_CHARS + 1, _CHUNK_CHARS):
+        h = hash((h, text[start:start + _CHUNK_CHARS]))
+        keys.append(h)
+    return keys
+
+
+def _make_router_class():
+    from ray.serve.request_router import RequestRouter
+
+    class PrefixAffinityRouter(RequestRouter):
+        """The replica that served the longest prefix of the prompt, unless it is `slack`
+        requests busier than the least loaded; then every replica (the least queued wins)."""
+
+        def initialize_state(self, slack: int = 4, **kwargs):
+            self.slack = slack
+            self.owner: OrderedDict[int, object] = OrderedDict()   # prefix key -> replica id
+            self.inflight: dict[object, int] = {}
+
+        async def choose_replicas(self, candidate_replicas, pending_request=None):
+            if pending_request is None or not candidate_replicas or not pending_request.args:
+                return [candidate_replicas]
+            path, body = pending_request.args[0], pending_request.args[1]
+            by_id = {r.replica_id: r for r in candidate_replicas}
+            least = min(self.inflight.get(i, 0) for i in by_id)
+            for key in reversed(prefix_keys(prompt_text(path, body))):
+                owner = self.owner.get(key)
+                if owner is not None:
+                    if owner in by_id and self.inflight.get(owner, 0) <= least + self.slack:
+                        return [[by_id[owner]], candidate_replicas]
+                    break
+            return [candidate_replicas]
+
+        def on_request_routed(self, pending_request, replica_id, result):
+            self.inflight[replica_id] = self.inflight.get(replica_id, 0) + 1
+            if pending_request is not None and len(pending_request.args) >= 2:
+                for key in prefix_keys(prompt_text(pending_request.args[0], pending_request.args[1])):
+                    self.owner[key] = replica_id
+                    self.owner.move_to_end(key)
+                while len(self.owner) > _REMEMBERED_CHUNKS:
+                    self.owner.popitem(last=False)
+
+        def on_request_completed(self, replica_id, internal_request_id):
+            self.inflight[replica_id] = max(0, self.inflight.get(replica_id, 0) - 1)
+
+        def on_replica_actor_died(self, replica_id):
+            super().on_replica_actor_died(replica_id)
+            self.inflight.pop(replica_id, None)
+            for key in [k for k, v in self.owner.items() if v == replica_id]:
+                del self.owner[key]
+
+    return PrefixAffinityRouter
+
+
+PrefixAffinityRouter = None   # the class, once Ray is imported (build_app)
+
+
+class EngineReplica:
+    """One engine and its specserve server, inside a Ray Serve replica."""
+
+    async def __init__(self, config_data: dict):
+        from aiohttp import web
+
+        from specserve import config as config_mod
+        from specserve.engine import LLMEngine
+        from specserve.server.app import create_app, make_runner
+
+        cfg = config_mod.from_dict(config_data, source="ray replica")
+        cfg.server.engine_process = False   # the replica's process is this engine's process
+        app = create_app(LLMEngine(cfg, progress=False), cfg)
+        self.runner = make_runner(app)
+        await self.runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        sock.close()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        import aiohttp
+        from ray import serve
+
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        self.name = serve.get_replica_context().replica_tag
+        logger.info("replica %s serves on port %d", self.name, self.port)
+
+    async def __call__(self, path: str, body: bytes, method: str = "POST"):
+        """Yields (status, content type, replica) first, then the response body as written."""
+        url = f"http://127.0.0.1:{self.port}{path}"
+        async with self.session.request(method, url, data=body or None,
+                                        headers={"Content-Type": "application/json"}) as resp:
+            yield resp.status, resp.headers.get("Content-Type", "application/json"), self.name
+            async for chunk in resp.content.iter_any():
+                yield chunk
+
+    async def check_health(self):
+        async with self.session.get(f"http://127.0.0.1:{self.port}/health") as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"replica unhealthy: /health {resp.status}")
+
+
+class Ingress:
+    """The OpenAI routes at Ray Serve's HTTP proxy, each request to one EngineReplica."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def __call__(self, request):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        path, body = request.url.path, await request.body()
+        stream = self.engine.options(stream=True).remote(path, body, request.method)
+        try:
+            status, content_type, replica = await stream.__anext__()
+        except Exception as e:   # the replica died before answering
+            return JSONResponse({"error": {"message": f"the replica serving this request failed: {e}; retry",
+                                           "type": "service_unavailable", "param": None,
+                                           "code": "replica_unavailable"}}, status_code=503)
+
+        async def chunks():
+            try:
+                async for chunk in stream:
+                    yield chunk
+            except Exception as e:   # the replica died mid-stream: the stream ends in an error event
+                error = {"error": {"message": f"the replica serving this request failed: {type(e).__name__}; "
+                                              "retry", "type": "service_unavailable", "param": None,
+                                   "code": "replica_unavailable"}}
+                yield b"data: " + json.dumps(error, separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n"
+
+        return StreamingResponse(chunks(), status_code=status, media_type=content_type,
+                                 headers={"x-specserve-replica": str(replica)})
+
+
+def serve_on_ray(cfg, replicas: int, max_replicas: int | None = None) -> None:
+    """`specserve serve --ray`: deploy on the Ray cluster of RAY_ADDRESS (else a local one)
+    and run until SIGTERM/SIGINT, then shut the deployment down (replicas finish what they
+    serve within Ray Serve's graceful shutdown)."""
+    import os
+    import signal
+    import threading
+
+    import msgspec
+    import ray
+    from ray import serve
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": cfg.server.host, "port": cfg.server.port})
+    gpus = 1.0 if cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU")) else 0.0
+    serve.run(build_app(msgspec.to_builtins(cfg), replicas, max_replicas, gpus_per_replica=gpus),
+              name="specserve", route_prefix="/")
+    logger.info("serving on Ray: http://%s:%d, %d replicas%s", cfg.server.host, cfg.server.port, replicas,
+                f" (up to {max_replicas})" if max_replicas else "")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    serve.shutdown()
+    ray.shutdown()
+
+
+def build_app(config_data: dict, replicas: int, max_replicas: int | None = None, cpus_per_replica: float = 1.0,
+              gpus_per_replica: float = 0.0):
+    """The Ray Serve application: an Ingress over `replicas` EngineReplicas."""
+    from ray import serve
+
+    global PrefixAffinityRouter
+    PrefixAffinityRouter = PrefixAffinityRouter or _make_router_class()
+    scaling = ({"autoscaling_config": {"min_replicas": replicas, "max_replicas": max_replicas,
+                                       "target_ongoing_requests": 8}}
+               if max_replicas and max_replicas > replicas else {"num_replicas": replicas})
+    engine = serve.deployment(
+        EngineReplica, name="specserve-engine", max_ongoing_requests=256, health_check_period_s=2.0,
+        ray_actor_options={"num_cpus": cpus_per_replica, "num_gpus": gpus_per_replica},
+        request_router_config={"request_router_class": PrefixAffinityRouter}, **scaling)
+    ingress = serve.deployment(Ingress, name="specserve-ingress", num_replicas=1, max_ongoing_requests=4096,
+                               ray_actor_options={"num_cpus": 0})
+    return ingress.bind(engine.bind(config_data))
