@@ -6,7 +6,8 @@
 
 At each concurrency C, C clients each send a request as soon as their previous one ends, over
 the held-out prompts (greedy, EOS ignored, max_tokens each), until 2C (at least 16) are served.
-In process the clients are tasks on an AsyncEngine; over HTTP they are benchmarks.loadgen
+In process the engine is stepped by the benchmark's own thread, a request added as soon as one
+finishes; over HTTP the clients are benchmarks.loadgen
 against `specserve serve` started with and without --engine-thread. Every mode serves WARMUP
 requests one at a time before it is timed. The three modes run one after the other at each
 concurrency, their order rotated between concurrencies; the output is a table (and JSON, and
@@ -16,7 +17,6 @@ a plot beside it).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import time
 from pathlib import Path
@@ -30,9 +30,10 @@ MODES = ["in_process", "http_thread", "http_process"]
 
 
 def in_process(config: str | None, concurrency: int, prompts: list[str], max_tokens: int) -> dict:
-    """The closed loop on an AsyncEngine in this process, timed as loadgen times a stream."""
+    """The closed loop on an LLMEngine stepped by this thread (no HTTP, no second thread): a
+    new request is added as soon as one finishes; outputs timed as loadgen times chunks."""
     from specserve import config as config_mod
-    from specserve.engine import AsyncEngine, LLMEngine
+    from specserve.engine import LLMEngine
     from specserve.sampling import SamplingParams
 
     cfg = config_mod.load(config) if config else config_mod.default()
@@ -40,40 +41,36 @@ def in_process(config: str | None, concurrency: int, prompts: list[str], max_tok
     ids = [engine.tokenizer.encode(p) for p in prompts]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
-    async def run() -> dict:
-        backend = AsyncEngine(engine)
-        await backend.start()
-        for i in range(min(WARMUP, len(ids))):   # as over HTTP: the first requests build what shapes need
-            async for _ in backend.generate(ids[i], params, f"warmup-{i}"):
-                pass
-        queue = list(range(len(ids)))
-        results: list[loadgen.RequestResult] = []
+    def serve(indices: list[int], width: int) -> list[loadgen.RequestResult]:
+        queue, live, done = list(indices), {}, []
+        engine.idle()
+        while queue or live:
+            while queue and len(live) < width:
+                i = queue.pop(0)
+                rid = f"bench-{i}-{time.monotonic_ns()}"
+                engine.add_request(rid, ids[i], params)
+                live[rid] = (loadgen.RequestResult(), time.perf_counter(), [None])
+            for out in engine.step():
+                r, start, last = live[out.request_id]
+                now = time.perf_counter()
+                if out.new_token_ids:
+                    if r.num_chunks == 0:
+                        r.ttft = now - start
+                    else:
+                        r.itl.append(now - last[0])
+                    r.num_chunks += 1
+                    last[0] = now
+                r.num_output_tokens = len(out.token_ids)
+                if out.finished:
+                    r.e2e, r.ok = now - start, True
+                    done.append(r)
+                    del live[out.request_id]
+        return done
 
-        async def client():
-            while queue:
-                i = queue.pop()
-                r = loadgen.RequestResult()
-                start = last = time.perf_counter()
-                async for out in backend.generate(ids[i], params, f"bench-{i}"):
-                    now = time.perf_counter()
-                    if out.new_token_ids:
-                        if r.num_chunks == 0:
-                            r.ttft = now - start
-                        else:
-                            r.itl.append(now - last)
-                        r.num_chunks += 1
-                        last = now
-                    r.num_output_tokens = len(out.token_ids)
-                r.e2e, r.ok = time.perf_counter() - start, True
-                results.append(r)
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        duration = time.perf_counter() - t0
-        await backend.shutdown()
-        return loadgen.compute_metrics(results, duration, {})
-
-    return asyncio.run(run())
+    serve(list(range(min(WARMUP, len(ids)))), 1)   # as over HTTP: the first requests build what shapes need
+    t0 = time.perf_counter()
+    results = serve(list(range(len(ids))), concurrency)
+    return loadgen.compute_metrics(results, time.perf_counter() - t0, {})
 
 
 def over_http(mode: str, config: str | None, concurrency: int, prompts: list[str], max_tokens: int,

@@ -133,7 +133,7 @@ class EngineReplica:
         from ray import serve
 
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
-        self.name = serve.get_replica_context().replica_tag
+        self.name = serve.get_replica_context().replica_id.unique_id
         logger.info("replica %s serves on port %d", self.name, self.port)
 
     async def __call__(self, path: str, body: bytes, method: str = "POST"):
