@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from specserve.config import EngineConfig
-from specserve.engine import EngineDeadError, QueueFullError, RequestOutput
+from specserve.engine import EngineDeadError, QueueFullError, RequestOutput, outputs
 from specserve.errors import InvalidRequestError
 from specserve.sampling import SamplingParams
 
@@ -155,7 +155,7 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, cpus: list[int] 
                 outbox.send(encode(reply))
             else:
                 return
-        outputs = []
+        sent = []
         if engine.has_unfinished_requests() or engine._aborted:
             stepped = True
             for out in engine.step():
@@ -163,7 +163,7 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, cpus: list[int] 
                 if first or out.finished:
                     first_output.discard(out.request_id)
                 end = len(out.token_ids)
-                outputs.append(CoreOutput(
+                sent.append(CoreOutput(
                     out.request_id, out.prompt_token_ids if first else None, out.new_token_ids, out.new_text,
                     out.finished, out.finish_reason, out.error, out.num_drafted,
                     out.logprobs[end - len(out.new_token_ids):end] if out.logprobs is not None else None,
@@ -174,8 +174,8 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, cpus: list[int] 
         snapshot = None
         if stepped and now - last_snapshot >= _SNAPSHOT_S:   # an idle engine's state does not change
             snapshot, last_snapshot, stepped = engine.snapshot(), now, False
-        if outputs or snapshot is not None:
-            outbox.send(encode(Step(outputs, snapshot)))
+        if sent or snapshot is not None:
+            outbox.send(encode(Step(sent, snapshot)))
 
 
 # -- the client in the API server -------------------------------------------------------------
@@ -348,15 +348,12 @@ class EngineCoreClient:
         self._send(AddRequest(request_id, list(prompt), params))
         finished = False
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = isinstance(item, InvalidRequestError)   # refused: never added
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            async for out in outputs(stream.queue):
+                finished = out.finished
+                yield out
+        except InvalidRequestError:
+            finished = True   # refused: never added
+            raise
         finally:
             self._streams.pop(request_id, None)
             if not finished and self.is_alive:

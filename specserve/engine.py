@@ -379,7 +379,7 @@ class LLMEngine:
             except Exception as e:   # its detokenizer or stop check: this request fails alone
                 logger.exception("request %s failed in its output", req.request_id)
                 self._fail(req, f"producing this request's output failed: {e!r}")
-                outputs.append(self._aborted.pop())
+                outputs.append(self._output(self._aborted.pop()))
                 continue
             if reason is None:
                 self.scheduler.postprocess(req)
@@ -479,6 +479,18 @@ class EngineDeadError(RuntimeError):
     """The engine loop died; the server reports 503."""
 
 
+async def outputs(queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    """One request's outputs from its queue, up to the finished one; an exception put on the
+    queue (the engine died, the request was refused) is raised."""
+    while True:
+        item = await queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if item.finished:
+            return
+
+
 def _resolve(future: asyncio.Future, value) -> None:
     if not future.done():
         future.set_result(value)
@@ -552,14 +564,9 @@ class AsyncEngine:
             if error is not None:
                 finished = True  # never added: nothing to abort (and the id may be another request's)
                 raise error
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+            async for out in outputs(stream):
+                finished = out.finished
+                yield out
         finally:
             self._streams.pop(request_id, None)
             if not finished:
