@@ -4,8 +4,9 @@ The core process owns the scheduler, the pool, the models and the controller, an
 `LLMEngine.step` in a loop that never waits on HTTP. The API server process talks to it
 through `EngineCoreClient`, which has AsyncEngine's interface, so the app serves either.
 Messages are msgspec (msgpack) Structs over two ZMQ sockets: adds, aborts and control to the
-core; each step's outputs (new tokens and text, finish reasons, logprobs, provenance) and
-the engine's snapshot (what /metrics shows) back, batched per step.
+core; each step's outputs (new token ids, finish reasons, logprobs, provenance) and the
+engine's snapshot (what /metrics shows) back, batched per step. The API server makes the
+text: incremental detokenization and stop strings run in its process, not the core's.
 
 Supervision: a core that dies (its loop raised, or it was killed) is noticed by the client
 within `_POLL_S`; every stream in flight ends with EngineDeadError, /health answers 503
@@ -26,6 +27,7 @@ from collections.abc import AsyncIterator
 import msgspec
 
 from specserve.config import EngineConfig
+from specserve.detokenizer import IncrementalDetokenizer
 from specserve.engine import EngineDeadError, QueueFullError, RequestOutput, outputs
 from specserve.errors import InvalidRequestError
 from specserve.sampling import SamplingParams
@@ -63,8 +65,7 @@ class Shutdown(msgspec.Struct, tag=True):
 class CoreOutput(msgspec.Struct, array_like=True):
     request_id: str
     prompt_token_ids: list[int] | None   # with a request's first output only
-    new_token_ids: list[int]
-    new_text: str
+    new_token_ids: list[int]   # text is made from them in the API server (detokenize=False here)
     finished: bool
     finish_reason: str | None
     error: str | None
@@ -128,7 +129,7 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, cpus: list[int] 
     inbox.connect(in_addr)
     outbox.connect(out_addr)
     encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(ToCore).decode
-    engine = LLMEngine(config, progress=False)
+    engine = LLMEngine(config, progress=False, detokenize=False)   # the API server detokenizes
     outbox.send(encode(Ready(engine.max_model_len, engine.snapshot())))
     first_output: set[str] = set()   # requests whose first output is still to come
     last_snapshot, stepped = 0.0, False
@@ -164,7 +165,7 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, cpus: list[int] 
                     first_output.discard(out.request_id)
                 end = len(out.token_ids)
                 sent.append(CoreOutput(
-                    out.request_id, out.prompt_token_ids if first else None, out.new_token_ids, out.new_text,
+                    out.request_id, out.prompt_token_ids if first else None, out.new_token_ids,
                     out.finished, out.finish_reason, out.error, out.num_drafted,
                     out.logprobs[end - len(out.new_token_ids):end] if out.logprobs is not None else None,
                     out.prompt_logprobs if first else None))
@@ -182,9 +183,13 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, cpus: list[int] 
 
 
 class _Stream:
-    """One request's outputs as the client rebuilds them (RequestOutput holds every token so far)."""
+    """One request's outputs as the client rebuilds them (RequestOutput holds every token so
+    far), detokenized here: the text, and the cut at a stop string (the client then aborts the
+    core's request, which may have run a step or two past it)."""
 
-    def __init__(self):
+    def __init__(self, detokenizer):
+        self.detokenizer = detokenizer
+        self.done = False
         self.queue: asyncio.Queue = asyncio.Queue()
         self.prompt_token_ids: list[int] = []
         self.token_ids: list[int] = []
@@ -193,15 +198,27 @@ class _Stream:
         self.prompt_logprobs: list | None = None
 
     def output(self, o: CoreOutput) -> RequestOutput:
+        """The output for the client; `done` is set when it is the last (the core's finish, or
+        a stop string found here)."""
         if o.prompt_token_ids is not None:
             self.prompt_token_ids, self.prompt_logprobs = o.prompt_token_ids, o.prompt_logprobs
-        self.token_ids += o.new_token_ids
-        self.text += o.new_text
+        new, finished, reason, error = o.new_token_ids, o.finished, o.finish_reason, o.error
+        try:
+            delta, stop_index = self.detokenizer.append(new)
+            if stop_index is not None:   # keep the token that completed the stop string, cut the rest
+                new, finished, reason = new[:stop_index + 1], True, "stop"
+            elif finished:
+                delta += self.detokenizer.flush()
+        except Exception as e:   # this request's text: it fails alone
+            delta, finished, reason, error = "", True, "error", f"producing this request's text failed: {e!r}"
+        self.token_ids += new
+        self.text += delta
         if o.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + o.logprobs
-        return RequestOutput(o.request_id, self.prompt_token_ids, list(self.token_ids), self.text, o.new_token_ids,
-                             o.new_text, o.finished, o.finish_reason, error=o.error, logprobs=self.logprobs,
-                             prompt_logprobs=self.prompt_logprobs, num_drafted=o.num_drafted)
+            self.logprobs = (self.logprobs or []) + o.logprobs[:len(new)]
+        self.done = finished
+        return RequestOutput(o.request_id, self.prompt_token_ids, list(self.token_ids), self.text, new,
+                             delta, finished, reason, error=error, logprobs=self.logprobs,
+                             prompt_logprobs=self.prompt_logprobs, num_drafted=min(o.num_drafted, len(new)))
 
 
 class EngineCoreClient:
@@ -308,8 +325,11 @@ class EngineCoreClient:
                 self._snapshot = msg.snapshot
             for o in msg.outputs:
                 stream = self._streams.get(o.request_id)
-                if stream is not None:
-                    stream.queue.put_nowait(stream.output(o))
+                if stream is not None and not stream.done:
+                    out = stream.output(o)
+                    stream.queue.put_nowait(out)
+                    if out.finished and not o.finished:   # cut here (a stop string): the core stops too
+                        self.abort(o.request_id)
         elif isinstance(msg, Refused):
             stream = self._streams.get(msg.request_id)
             if stream is not None:
@@ -344,7 +364,8 @@ class EngineCoreClient:
                        request_id: str) -> AsyncIterator[RequestOutput]:
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
-        stream = self._streams[request_id] = _Stream()
+        stream = self._streams[request_id] = _Stream(
+            IncrementalDetokenizer(self.tokenizer, list(prompt), stop=params.stop))
         self._send(AddRequest(request_id, list(prompt), params))
         finished = False
         try:

@@ -82,8 +82,11 @@ def _onednn_min_layer_bytes(config: config_mod.EngineConfig, model) -> int | Non
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, progress: bool = True):
+    def __init__(self, config: EngineConfig, progress: bool = True, detokenize: bool = True):
+        """detokenize: produce text and match stop strings here (False: the caller does it from
+        the token ids, as the API server does for an engine-core process; outputs carry no text)."""
         self.config = config
+        self.detokenize = detokenize
         self.device = _resolve_device(config.device)
         if self.device.type == "cpu" and config.cpu.heap_malloc:
             keep_large_allocations_on_heap()   # before anything big is allocated: cpu_malloc.py
@@ -272,7 +275,8 @@ class LLMEngine:
             prompt_ids,
             params,
             self.eos_token_ids,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop) if self.detokenize
+            else None,
             generator=make_generator(params.seed) if params.seed is not None else None,
         )
         self.requests[request_id] = req
@@ -409,6 +413,8 @@ class LLMEngine:
                 reason = "length"
             if reason:
                 break
+        if req.detokenizer is None:
+            return reason
         delta, stop_index = req.detokenizer.append(toks[:kept])
         if stop_index is not None:
             drop = kept - 1 - stop_index  # tokens after the one that completed the stop string

@@ -129,3 +129,28 @@ def test_a_killed_core_ends_every_stream_and_is_restarted(core_server):
     assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     with urllib.request.urlopen(core_server.base + "/metrics", timeout=10) as r:
         assert f"specserve_engine_restarts_total {restarts + 1}.0" in r.read().decode()
+
+
+def test_text_and_stop_strings_are_made_in_the_api_server(core_server, cfg):
+    """The core sends token ids only; the API server's detokenizer makes the text and cuts at
+    a stop string exactly where the engine alone would have (then the core's request is
+    aborted), streaming and not."""
+    llm = LLM(cfg, progress=False)
+    full = llm.generate(PROMPTS[5], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
+    stop = full.text[12:16]
+    ref = llm.generate(PROMPTS[5], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert ref.finish_reason == "stop"
+    events = stream(core_server, {"prompt": PROMPTS[5], "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                                  "stop": [stop], "logprobs": 1})
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == ref.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks) == len(ref.token_ids)
+    req = urllib.request.Request(core_server.url + "/completions", data=json.dumps(
+        {"prompt": PROMPTS[5], "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stop": [stop]}).encode(),
+        headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        body = json.loads(r.read())
+    assert body["choices"][0]["text"] == ref.text and body["usage"]["completion_tokens"] == len(ref.token_ids)
+    core = backend(core_server)
+    assert wait_until(lambda: core.snapshot()["running"] == 0 and core.snapshot()["blocks_held"] == 0, timeout=20)
