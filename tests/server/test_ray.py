@@ -96,6 +96,38 @@ def test_the_sse_bytes_are_specservers_own(ray_base, cfg):
         srv.stop()
 
 
+def test_the_router_prefers_the_prefix_owner_unless_it_is_much_busier():
+    """PrefixAffinityRouter's own rule, on stand-in replicas: no owner -> every replica; the
+    replica that served a prompt's prefix first, then every replica; none once that replica
+    has more than `slack` requests beyond the least loaded."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from specserve.server.ray_serve import _make_router_class
+
+    cls = _make_router_class()
+    router = cls.__new__(cls)
+    router.initialize_state(slack=2)
+    a, b = SimpleNamespace(replica_id="a"), SimpleNamespace(replica_id="b")
+
+    def request(prompt: str):
+        return SimpleNamespace(args=("/v1/completions", json.dumps({"prompt": prompt}).encode()))
+
+    def choose(prompt: str):
+        return asyncio.run(router.choose_replicas([a, b], request(prompt)))
+
+    shared = "The archive of the river city kept its letters in stone boxes. " * 4
+    assert choose(shared + "one") == [[a, b]]
+    router.on_request_routed(request(shared + "one"), "b", None)
+    assert choose(shared + "two") == [[b], [a, b]]
+    assert choose("an unrelated prompt " * 10) == [[a, b]]
+    for _ in range(2):
+        router.on_request_routed(request("other " * 20), "b", None)
+    assert choose(shared + "three") == [[a, b]], "b has 3 in flight, a none: more than slack 2"
+    router.on_request_completed("b", "x")
+    assert choose(shared + "four") == [[b], [a, b]]
+
+
 def test_a_killed_replica_ends_its_streams_and_the_service_answers(ray_base):
     import ray
 
