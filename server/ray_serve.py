@@ -132,21 +132,21 @@ class EngineReplica:
         import aiohttp
         from ray import serve
 
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         self.name = serve.get_replica_context().replica_id.unique_id
         logger.info("replica %s serves on port %d", self.name, self.port)
 
     async def __call__(self, path: str, body: bytes, method: str = "POST"):
         """Yields (status, content type, replica) first, then the response body as written."""
         url = f"http://127.0.0.1:{self.port}{path}"
-        async with self.session.request(method, url, data=body or None,
+        async with self.http.request(method, url, data=body or None,
                                         headers={"Content-Type": "application/json"}) as resp:
             yield resp.status, resp.headers.get("Content-Type", "application/json"), self.name
             async for chunk in resp.content.iter_any():
                 yield chunk
 
     async def check_health(self):
-        async with self.session.get(f"http://127.0.0.1:{self.port}/health") as resp:
+        async with self.http.get(f"http://127.0.0.1:{self.port}/health") as resp:
             if resp.status != 200:
                 raise RuntimeError(f"replica unhealthy: /health {resp.status}")
 

@@ -96,6 +96,14 @@ def start_server_process(target: Path, *args: str) -> tuple[subprocess.Popen, in
     raise AssertionError("the server did not start:\n" + "".join(log))
 
 
+def concurrently(fn, count: int, timeout: float = 300.0) -> list:
+    """[fn(0), ..., fn(count - 1)], all called at once on threads of their own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=count) as pool:
+        return list(pool.map(fn, range(count), timeout=timeout))
+
+
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -19,7 +19,7 @@ import pytest
 from specserve.core import EngineCoreClient
 from specserve.llm import LLM
 from specserve.sampling import SamplingParams
-from tests.server.conftest import ServerThread, engine_config, wait_until
+from tests.server.conftest import ServerThread, concurrently, engine_config, wait_until
 
 PROMPTS = [f"Story {i}: once upon a time" for i in range(32)]
 
@@ -61,19 +61,13 @@ def health(srv) -> int:
 
 def test_32_concurrent_streams_equal_offline(core_server, cfg):
     offline = LLM(cfg, progress=False).generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))
-    texts: dict[int, str] = {}
 
-    def run(i: int):
+    def run(i: int) -> str:
         events = stream(core_server, {"prompt": PROMPTS[i], "max_tokens": 24, "temperature": 0})
         assert events[-1] == "[DONE]"
-        texts[i] = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+        return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    assert [texts.get(i) for i in range(len(PROMPTS))] == [o.text for o in offline]
+    assert concurrently(run, len(PROMPTS)) == [o.text for o in offline]
     snap = backend(core_server).snapshot()
     assert snap["num_accepted_tokens"] > 0 and snap["speculation"] == {"mode": "static", "depth": 3}
 

@@ -5,7 +5,6 @@ outputs equal offline greedy; metrics are given per core and in total."""
 from __future__ import annotations
 
 import json
-import threading
 import urllib.request
 
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from specserve.core import EngineGroup
 from specserve.llm import LLM
 from specserve.sampling import SamplingParams
-from tests.server.conftest import ServerThread, engine_config, wait_until
+from tests.server.conftest import ServerThread, concurrently, engine_config, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -60,18 +59,12 @@ def test_a_shared_prefix_lands_on_one_core_and_hits_its_cache(group_server):
 
 def test_a_mixed_load_uses_both_cores_and_outputs_equal_offline(group_server, cfg):
     prompts = [f"Prompt number {i} about something else" for i in range(12)]
-    texts: dict[int, str] = {}
     before = [s["routed"] for s in group(group_server).snapshot()["engines"]]
-    threads = [threading.Thread(target=lambda i=i: texts.__setitem__(i, complete(group_server, prompts[i])))
-               for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    texts = concurrently(lambda i: complete(group_server, prompts[i]), len(prompts))
     after = [s["routed"] for s in group(group_server).snapshot()["engines"]]
     assert all(a - b > 0 for a, b in zip(after, before)), (before, after)
     offline = LLM(cfg, progress=False).generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
-    assert [texts[i] for i in range(len(prompts))] == [o.text for o in offline]
+    assert texts == [o.text for o in offline]
 
 
 def test_metrics_per_core_and_in_total(group_server):

@@ -22,7 +22,7 @@ pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]'
 from specserve.engine import LLMEngine  # noqa: E402
 from specserve.llm import LLM  # noqa: E402
 from specserve.sampling import SamplingParams  # noqa: E402
-from tests.server.conftest import ServerThread, engine_config, wait_until  # noqa: E402
+from tests.server.conftest import ServerThread, concurrently, engine_config, wait_until  # noqa: E402
 
 PROMPTS = [f"Story {i}: once upon a time" for i in range(32)]
 
@@ -67,16 +67,10 @@ def text_of(events: list[str]) -> str:
 
 def test_two_replicas_serve_32_concurrent_streams_correctly(ray_base, cfg):
     offline = LLM(cfg, progress=False).generate(PROMPTS, SamplingParams(max_tokens=16, temperature=0.0))
-    results: dict[int, tuple[str, list[str]]] = {}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, stream(ray_base, PROMPTS[i])))
-               for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert [text_of(results[i][1]) for i in range(len(PROMPTS))] == [o.text for o in offline]
-    assert all(results[i][1][-1] == "[DONE]" for i in results)
-    assert len({replica for replica, _ in results.values()}) == 2, "both replicas should have served"
+    results = concurrently(lambda i: stream(ray_base, PROMPTS[i]), len(PROMPTS))
+    assert [text_of(events) for _, events in results] == [o.text for o in offline]
+    assert all(events[-1] == "[DONE]" for _, events in results)
+    assert len({replica for replica, _ in results}) == 2, "both replicas should have served"
 
 
 def test_the_sse_bytes_are_specservers_own(ray_base, cfg):
