@@ -378,12 +378,15 @@ def strict_server(server_target):
 
 
 def _closed_within(sock: socket.socket, seconds: float) -> bytes | None:
-    """What the server sent before closing the connection, or None if still open after `seconds`."""
+    """What the server sent before closing the connection, or None if still open after `seconds`.
+    A close that finds our unread bytes (a client still dripping) arrives as a reset: closed too."""
     sock.settimeout(seconds)
     data = b""
     try:
         while chunk := sock.recv(4096):
             data += chunk
+        return data
+    except ConnectionResetError:
         return data
     except socket.timeout:
         return None
