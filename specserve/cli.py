@@ -24,6 +24,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int)
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--cpu-threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--cpu-compile", choices=["auto", "off"],
+                   help="float32 forwards compiled ahead of time, built once in the background (default: auto)")
 
 
 def _engine_config(args):
@@ -34,7 +36,7 @@ def _engine_config(args):
         "target": args.target, "draft": args.draft, "draft_kind": args.draft_kind, "device": args.device,
         "dtype": args.dtype, "spec_mode": args.spec_mode, "spec_depth": args.spec_depth,
         "spec_tree": args.spec_tree, "num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
-        "cpu_threads": args.cpu_threads,
+        "cpu_threads": args.cpu_threads, "cpu_compile": args.cpu_compile,
     }
     if args.target and not args.draft and not args.draft_kind and not args.config:
         overrides["draft_kind"] = "none"
@@ -92,6 +94,7 @@ def cmd_calibrate(args) -> int:
 
     cfg = _engine_config(args)
     cfg.spec.mode = "static"   # the engine's own start-up probe is not wanted: this one is thorough
+    _build_compiled(cfg)
     engine = LLMEngine(cfg)
     spec = engine.spec
     if spec.drafter is None:
@@ -102,6 +105,25 @@ def cmd_calibrate(args) -> int:
     path = profile.calibrate(engine, spec.buckets(), spec.nodes_at(spec.max_depth()) + 1)
     print(f"profile written to {path}; `specserve serve` with this setup starts from it")
     return 0
+
+
+def _build_compiled(cfg) -> None:
+    """The compiled CPU forwards of the setup's float32 models, built now where not cached."""
+    import torch
+
+    from specserve.model import compiled
+    from specserve.model.loader import load_model
+
+    if cfg.cpu.compile == "off" or cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return
+    paths = [cfg.target.path] + ([cfg.draft.path] if cfg.draft.kind == "model" else [])
+    for path, dtype in zip(paths, (cfg.target.dtype, cfg.draft.dtype)):
+        model, _ = load_model(path, dtype=dtype, progress=False)
+        package = compiled.package_path(path, model, cfg.cache.block_size)
+        if not compiled.supported(model) or package.is_file():
+            continue
+        print(f"compiling the forward of {path} (a minute or two, once)", file=sys.stderr)
+        compiled.build(model, cfg.cache.block_size, package)
 
 
 def main(argv: list[str] | None = None) -> int:

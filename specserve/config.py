@@ -114,6 +114,9 @@ class CpuConfig(_Section):
     linear: Literal["auto", "onednn", "torch"] = "auto"
     # glibc: keep allocations up to 32 MiB on a heap that is not handed back (cpu_malloc.py).
     heap_malloc: bool = True
+    # Float32 models: "auto" runs each model's forward compiled ahead of time (model/compiled.py)
+    # once a build of it is cached, building it in the background the first time; "off": eager.
+    compile: Literal["auto", "off"] = "auto"
 
 
 class EngineConfig(_Section):
@@ -252,6 +255,7 @@ _SHORT_NAMES = {
     "spec_depth": ("spec", "depth"),
     "spec_tree": ("spec", "tree"),
     "cpu_threads": ("cpu", "threads"),
+    "cpu_compile": ("cpu", "compile"),
 }
 
 

@@ -7,10 +7,12 @@ import asyncio
 import itertools
 import logging
 import queue
+import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -141,6 +143,10 @@ class LLMEngine:
                     logger.info("%s: %d linear layers run through oneDNN with packed weights", name, packed)
         if config.cuda_graphs:
             self._use_graphs(config, block_size)
+        self._building: list[tuple[str, ModelRunner, Path, subprocess.Popen | None]] = []
+        self._next_build_check = 0.0
+        if config.cpu.compile == "auto" and self.device.type == "cpu":
+            self._use_compiled(config, block_size)
         self.pool_bytes = num_blocks * bytes_per_block
         self.scheduler = Scheduler(config.scheduler, self.pool, self.max_model_len, has_draft_kv=self.draft is not None)
         self.spec = make_speculator(config, self)
@@ -154,6 +160,48 @@ class LLMEngine:
             "pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes per block)",
             num_blocks, block_size, num_blocks * block_size, self.pool_bytes / 2**20, bytes_per_block,
         )
+
+    def _use_compiled(self, config: EngineConfig, block_size: int) -> None:
+        """[cpu] compile = "auto": each float32 model runs its compiled forward when one is cached;
+        one that is not is built in a process of its own, and taken up between steps when it is
+        ready (_take_up_compiled)."""
+        from specserve.model import compiled
+
+        paths = {"target": config.target.path, "draft": config.draft.path if config.draft.kind == "model" else None}
+        for name, runner in (("target", self.target), ("draft", self.draft)):
+            if runner is None or paths[name] is None or not compiled.supported(runner.model):
+                continue
+            package = compiled.package_path(paths[name], runner.model, block_size)
+            forward = compiled.load(package) if package.is_file() else None
+            if forward is not None:
+                runner.use_compiled(forward)
+                logger.info("%s: compiled forward from %s", name, package)
+                continue
+            proc = compiled.build_in_background(paths[name], "float32", block_size, package)
+            logger.info("%s: building its compiled forward in the background (a minute or two, once; "
+                        "log: %s); eager until then", name, package.with_suffix(".log"))
+            self._building.append((name, runner, package, proc))
+
+    def _take_up_compiled(self) -> None:
+        """Between steps, at most every 2 s: load the compiled forwards whose build has finished.
+        The controller's step costs are probed again (a few seconds, once): they have changed."""
+        from specserve.model import compiled
+
+        self._next_build_check = time.perf_counter() + 2.0
+        waiting, taken = [], False
+        for name, runner, package, proc in self._building:
+            if package.is_file() and (forward := compiled.load(package)) is not None:
+                runner.use_compiled(forward)
+                logger.info("%s: now on its compiled forward (%s)", name, package)
+                taken = True
+            elif proc is not None and proc.poll() not in (None, 0):
+                logger.warning("%s: building the compiled forward failed; staying eager (see %s)",
+                               name, package.with_suffix(".log"))
+            else:
+                waiting.append((name, runner, package, proc))
+        self._building = waiting
+        if taken and self.spec.controller is not None:
+            self.spec.controller = self.spec.make_controller()
 
     def _packed_is_faster(self, runner: ModelRunner) -> bool:
         """[cpu] linear = "auto": whether the model's oneDNN-packed forward beats F.linear on this
@@ -357,6 +405,9 @@ class LLMEngine:
         end = time.perf_counter()
         self.spec.end_step(end - (start if self._last_step_end is None else self._last_step_end))
         self._last_step_end = end
+        if self._building and end > self._next_build_check:
+            self._take_up_compiled()
+            self._last_step_end = time.perf_counter()
         return outputs
 
     def _postprocess(self, batch: SchedulerOutput, new_tokens: dict[str, list[int]]) -> list[RequestOutput]:

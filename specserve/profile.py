@@ -55,6 +55,7 @@ def profile_key(engine, buckets: list[int], max_rows: int) -> dict:
         "draft": _checkpoint_id(cfg.draft.path) if cfg.draft.kind == "model" else cfg.draft.kind,
         "dtype": str(engine.target.model.dtype), "device": device, "threads": torch.get_num_threads(),
         "onednn": any("onednn" in m.__dict__ for m in engine.target.model.modules()),
+        "compiled": [r is not None and r.compiled is not None for r in (engine.target, engine.draft)],
         "block_size": engine.pool.block_size,
         "buckets": buckets, "max_rows": max_rows,
     }

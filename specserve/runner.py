@@ -97,6 +97,8 @@ class ModelRunner:
                               "cache.num_blocks or cache.kv_cache_bytes") from None
         self.cpu_threads = cpu_threads if device.type == "cpu" and cpu_threads and cpu_threads.max_threads > 1 else None
         self.graphs = None   # ForwardGraphs once use_graphs() is called
+        self.compiled = None   # the compiled CPU forward once use_compiled() is called
+        self._causal: dict[tuple[int, int], torch.Tensor] = {}   # (B, q) -> [B, q, q] causal masks
 
     def use_graphs(self, max_batch: int, max_rows: int, max_blocks: int, capture: bool | None = None,
                    pool=None) -> None:
@@ -107,6 +109,13 @@ class ModelRunner:
 
         self.graphs = ForwardGraphs(self.model, self.kv_caches, self.device, max_batch, max_rows, max_blocks,
                                     capture=capture, pool=pool)
+
+    def use_compiled(self, forward) -> None:
+        """Run forwards through a compiled forward (model/compiled.py) where its layout fits."""
+        from specserve.model.llama import kv_pool
+
+        self.compiled = forward
+        self.kv_pool = kv_pool(self.kv_caches)
 
     @property
     def cache_tensors(self) -> list[torch.Tensor]:
@@ -169,9 +178,11 @@ class ModelRunner:
             torch.set_num_threads(restore)
 
     def _forward(self, inp: ForwardInput) -> torch.Tensor | None:
+        logit_rows = None
         if self.graphs is not None and self.graphs.eligible(inp):
             hidden = self.graphs.forward(inp)
-            logit_rows = None
+        elif self.compiled is not None and (hidden := self._compiled_forward(inp)) is not None:
+            pass
         else:
             input_ids, positions, meta, logit_rows = self.prepare(inp)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -185,3 +196,50 @@ class ModelRunner:
                 logit_rows = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
             hidden = hidden.index_select(0, logit_rows)
         return self.model.compute_logits(hidden)
+
+    def _compiled_forward(self, inp: ForwardInput) -> torch.Tensor | None:
+        """The hidden rows of `inp`, in its order, from the compiled forward; None (run it eagerly)
+        when padding every sequence to the most rows would more than double the rows (a prompt
+        chunk beside decode rows)."""
+        q_lens, seq_lens = inp.query_lens, inp.seq_lens
+        B, q, T = len(q_lens), max(q_lens), inp.num_rows
+        if B * q > 2 * T + 8:
+            return None
+        bs = self.block_size
+        ctx = [s - n for s, n in zip(seq_lens, q_lens)]
+        W = max(1, -(-max(ctx) // bs))
+        uniform = B * q == T
+        ids, pos, slots = inp.input_ids, inp.positions, inp.slot_mapping
+        if not uniform:   # each sequence padded to q rows: token 0 at position 0, written nowhere
+            ids, pos, slots, real, start = [], [], [], [], 0
+            for n in q_lens:
+                pad = q - n
+                ids += inp.input_ids[start:start + n] + [0] * pad
+                pos += inp.positions[start:start + n] + [0] * pad
+                slots += inp.slot_mapping[start:start + n] + [-1] * pad
+                real += range(len(ids) - q, len(ids) - pad)
+                start += n
+        tables = [x for bt in inp.block_tables for x in (bt[:W] + [0] * (W - len(bt)) if len(bt) < W else bt[:W])]
+        longs = torch.tensor(ids + pos + slots + ctx + tables, dtype=torch.int64)
+        ids_t, pos_t, slots_t, ctx_t, tables_t = longs.split_with_sizes([B * q, B * q, B * q, B, B * W])
+        if all(m is None for m in inp.masks) and uniform:
+            mask = self._causal.get((B, q))
+            if mask is None:
+                mask = self._causal[(B, q)] = torch.ones(q, q, dtype=torch.bool).tril().expand(B, q, q).contiguous()
+        else:
+            mask = torch.eye(q, dtype=torch.bool).repeat(B, 1, 1)   # a padding row sees itself only
+            for b, (m, n) in enumerate(zip(inp.masks, q_lens)):
+                if m is None:
+                    mask[b, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+                else:
+                    mask[b, :n, :n] = m if isinstance(m, torch.Tensor) else torch.tensor(m, dtype=torch.bool)
+        k_pool, v_pool = self.kv_pool
+        hidden, k_new, v_new = self.compiled(ids_t.view(B, q), pos_t.view(B, q), k_pool, v_pool,
+                                             tables_t.view(B, W), ctx_t, mask)
+        L, NB, BS, Hkv, D = k_pool.shape
+        if not uniform or min(slots) < 0:
+            keep = (slots_t >= 0).nonzero().squeeze(1)
+            slots_t, k_new, v_new = slots_t[keep], k_new[:, keep], v_new[:, keep]
+        k_pool.view(L, NB * BS, Hkv, D).index_copy_(1, slots_t, k_new)
+        v_pool.view(L, NB * BS, Hkv, D).index_copy_(1, slots_t, v_new)
+        return hidden if uniform else hidden[torch.tensor(real)]

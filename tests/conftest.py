@@ -3,7 +3,15 @@ after the first, which also trains the tokenizer)."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
+
+# Caches of this run only (profiles, compiled forwards), and no compiled forward built behind a
+# test's back (tests/engine/test_compiled.py builds its own); child processes inherit both.
+os.environ["SPECSERVE_CACHE_DIR"] = tempfile.mkdtemp(prefix="specserve-test-cache-")
+os.environ["SPECSERVE_COMPILE_BUILDS"] = "0"
 
 from tests.checkpoints import make_checkpoint
 

@@ -502,10 +502,17 @@ class CausalLM(nn.Module):
     def make_kv_caches(
         self, num_blocks: int, block_size: int, device: torch.device | str | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Zeroed K/V pool tensors, one (k, v) pair per layer, each [NB, BS, Hkv, D]."""
+        """Zeroed K/V pool tensors, one (k, v) pair per layer, each [NB, BS, Hkv, D]: views of one
+        [L, NB, BS, Hkv, D] tensor for K and one for V (`kv_pool` gives them back), so that one
+        copy writes a row's keys of every layer."""
         device = self.device if device is None else device
-        shape = (num_blocks, block_size, self.args.num_kv_heads, self.args.head_dim)
-        return [
-            (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
-            for _ in range(self.args.num_layers)
-        ]
+        shape = (self.args.num_layers, num_blocks, block_size, self.args.num_kv_heads, self.args.head_dim)
+        k, v = (torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(2))
+        return list(zip(k.unbind(0), v.unbind(0)))
+
+
+def kv_pool(kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The [L, NB, BS, Hkv, D] K and V tensors whose views make_kv_caches returned."""
+    k, v = kv_caches[0][0]._base, kv_caches[0][1]._base
+    assert k is not None and v is not None and k.shape[0] == len(kv_caches), "not from make_kv_caches"
+    return k, v

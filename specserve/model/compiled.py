@@ -1,0 +1,220 @@
+"""The CPU forward compiled ahead of time: one shared library per model, built once and cached.
+
+On the CPU a small model's eager step is hundreds of dispatched torch ops, each a few
+microseconds, around a few dozen matrix products: the host work, not the arithmetic or the
+weights' bytes, sets its speed. `dense_forward` is the whole forward (every layer, attention
+included) written as one traceable function of plain tensors; torch.export traces it with the
+batch, the rows per sequence, the blocks per sequence and the pool size symbolic, and
+AOTInductor compiles it into C++ (matmuls through the BLAS, the norms, RoPE, attention
+masking and softmax as fused loops) behind one call. Loading a package takes milliseconds;
+building one takes a minute or two, so it is built once per model, torch, CPU and version of
+this code, in a process of its own at low priority, into the user's cache directory
+(`specserve calibrate` builds it ahead), and the engine takes it up when it appears.
+
+Layout of a call. A forward of B sequences is laid out as [B, q] rows, q the largest number of
+new rows of any sequence; a shorter sequence is padded with rows that see only themselves and
+write nothing. Row t of sequence b sees key j < ctx_lens[b] (its cached context, read from the
+pool through its block table) and its own new rows as mask[b, t] says (causal for a chain or a
+prompt chunk, the tree's ancestors for a tree). The call returns the new rows' keys and values
+instead of writing them: the caller writes them into the pool with one index_copy_ per pool,
+and the rows of one forward that see each other take them from the call's own tensors. The
+arithmetic is the eager forward's (model/llama.py) in another order of evaluation: the logits
+agree to float32 rounding (tests/engine/test_compiled.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specserve.model.llama import CausalLM, apply_rope, rope_full_tables
+
+logger = logging.getLogger("specserve")
+
+FORMAT = 1   # bump when the call's signature or layout changes
+_SOURCES = ("compiled.py", "llama.py")   # the code a package is compiled from
+_STALE_LOCK_S = 1800.0   # a build lock older than this belongs to a build that died
+
+
+def dense_forward(
+    model: CausalLM,
+    input_ids: torch.Tensor,  # [B, q] int64
+    positions: torch.Tensor,  # [B, q] int64
+    k_pool: torch.Tensor,  # [L, NB, BS, Hkv, D]
+    v_pool: torch.Tensor,  # [L, NB, BS, Hkv, D]
+    tables: torch.Tensor,  # [B, W] int64: block ids of each sequence's context (any id past it)
+    ctx_lens: torch.Tensor,  # [B] int64: cached keys each sequence's new rows see
+    mask: torch.Tensor,  # [B, q, q] bool: new row t sees new row j
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # hidden [B*q, H]; new K, V [L, B*q, Hkv, D]
+    args = model.args
+    B, q = input_ids.shape
+    Hq, Hkv, D = args.num_heads, args.num_kv_heads, args.head_dim
+    G = Hq // Hkv
+    S = tables.shape[1] * k_pool.shape[2]   # context keys gathered per sequence
+    x = model.tok_embeddings.weight[input_ids.reshape(-1)]  # [T, H]
+    cos, sin = rope_full_tables(model.rope_cos[positions.reshape(-1)], model.rope_sin[positions.reshape(-1)], x.dtype)
+    in_context = torch.arange(S, device=x.device)[None, :] < ctx_lens[:, None]  # [B, S]
+    visible = torch.cat([in_context[:, None, :].expand(B, q, S), mask], dim=2)  # [B, q, S + q]
+    bias = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill(~visible, float("-inf"))
+    bias = bias[:, None, :, None, :]  # [B, 1, q, 1, S + q]: every KV head, every query head of a group
+    keys, values = [], []
+    for layer_index, layer in enumerate(model.layers):
+        attn, ffn = layer.attention, layer.feed_forward
+        qkv = F.linear(layer.attention_norm.forward(x), attn.wqkv.weight, attn.wqkv.bias)
+        qh, kh, vh = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        qh, kh, vh = qh.reshape(-1, Hq, D), kh.reshape(-1, Hkv, D), vh.reshape(-1, Hkv, D)
+        if attn.q_norm is not None:
+            qh, kh = attn.q_norm.forward(qh), attn.k_norm.forward(kh)
+        qk = apply_rope(torch.cat([qh, kh], dim=1), cos, sin)
+        qh, kh = qk[:, :Hq], qk[:, Hq:]
+        keys.append(kh)
+        values.append(vh)
+        # [B, Hkv, D, S + q] keys and [B, Hkv, S + q, D] values: the context, then the new rows
+        k_all = torch.cat([k_pool[layer_index][tables].reshape(B, S, Hkv, D), kh.reshape(B, q, Hkv, D)], dim=1)
+        v_all = torch.cat([v_pool[layer_index][tables].reshape(B, S, Hkv, D), vh.reshape(B, q, Hkv, D)], dim=1)
+        qg = qh.reshape(B, q, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, q * G, D)
+        scores = torch.matmul(qg, k_all.permute(0, 2, 3, 1)) * attn.scale  # [B, Hkv, q * G, S + q]
+        probs = torch.softmax(scores.reshape(B, Hkv, q, G, -1) + bias, dim=-1).reshape(B, Hkv, q * G, -1)
+        out = torch.matmul(probs, v_all.transpose(1, 2))  # [B, Hkv, q * G, D]
+        out = out.reshape(B, Hkv, q, G, D).permute(0, 2, 1, 3, 4).reshape(B * q, Hq * D)
+        h = x + F.linear(out, attn.wo.weight)
+        gate, up = F.linear(layer.ffn_norm.forward(h), ffn.w13.weight).chunk(2, dim=-1)
+        x = h + F.linear(F.silu(gate) * up, ffn.w2.weight)
+    return model.norm.forward(x), torch.stack(keys), torch.stack(values)
+
+
+class _Traced(torch.nn.Module):
+    def __init__(self, model: CausalLM):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, positions, k_pool, v_pool, tables, ctx_lens, mask):
+        return dense_forward(self.model, input_ids, positions, k_pool, v_pool, tables, ctx_lens, mask)
+
+
+def supported(model: CausalLM) -> bool:
+    """The compiled forward covers float32 models on the CPU with fused projections."""
+    first = model.layers[0]
+    return (model.device.type == "cpu" and model.dtype == torch.float32
+            and hasattr(first.attention, "wqkv") and hasattr(first.feed_forward, "w13"))
+
+
+def example_inputs(model: CausalLM, block_size: int) -> tuple[torch.Tensor, ...]:
+    """Inputs to trace with: sizes distinct from each other, so no two symbolic sizes merge."""
+    args = model.args
+    B, q, W, NB = 2, 3, 5, 17
+    pool = (args.num_layers, NB, block_size, args.num_kv_heads, args.head_dim)
+    return (torch.zeros(B, q, dtype=torch.int64), torch.arange(q).repeat(B, 1) + 40,
+            torch.zeros(pool), torch.zeros(pool), torch.arange(B * W).reshape(B, W) % NB,
+            torch.full((B,), 40, dtype=torch.int64), torch.ones(q, q, dtype=torch.bool).tril().repeat(B, 1, 1))
+
+
+def build(model: CausalLM, block_size: int, out: Path) -> Path:
+    """Export and compile `dense_forward` for `model` into the package `out` (written whole or
+    not at all)."""
+    from torch.export import Dim, export
+
+    B, q = Dim("batch", min=1, max=1 << 14), Dim("rows", min=1, max=1 << 14)
+    W, NB = Dim("blocks", min=1, max=1 << 20), Dim("pool_blocks", min=1, max=1 << 24)
+    shapes = ({0: B, 1: q}, {0: B, 1: q}, {1: NB}, {1: NB}, {0: B, 1: W}, {0: B}, {0: B, 1: q, 2: q})
+    with torch.inference_mode():
+        program = export(_Traced(model).eval(), example_inputs(model, block_size), dynamic_shapes=shapes)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
+    torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
+    tmp.replace(out)
+    return out
+
+
+# -- the cache ------------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    base = os.environ.get("SPECSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specserve")
+    return Path(base) / "compiled"
+
+
+def package_path(checkpoint: str | os.PathLike, model: CausalLM, block_size: int) -> Path:
+    """Where the package of this model lies: keyed by the checkpoint's files, the model's shape,
+    the block size, torch, the CPU's instruction set and the source it is compiled from."""
+    here = Path(__file__).parent
+    files = sorted(Path(checkpoint).glob("*.safetensors"))
+    key = {
+        "format": FORMAT, "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
+        "checkpoint": [str(Path(checkpoint).resolve())] + [[f.name, f.stat().st_size, int(f.stat().st_mtime)]
+                                                          for f in files],
+        "args": repr(model.args), "block_size": block_size,
+        "source": hashlib.sha256(b"".join((here / name).read_bytes() for name in _SOURCES)).hexdigest(),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_dir() / f"{digest}.pt2"
+
+
+def load(path: Path):
+    """The compiled forward in `path`, or None (with a warning) when it cannot be used."""
+    try:
+        return torch._inductor.aoti_load_package(str(path))
+    except Exception as e:   # a corrupt or foreign file is skipped, never fatal
+        logger.warning("ignoring the compiled forward %s: %s", path, str(e).splitlines()[0] if str(e) else e)
+        return None
+
+
+def build_in_background(checkpoint: str, dtype: str, block_size: int, out: Path) -> subprocess.Popen | None:
+    """Start building `out` in a process of its own at the lowest priority, unless another
+    process is building it already (a lock file beside it) or SPECSERVE_COMPILE_BUILDS=0 (a
+    deployment that only uses what `specserve calibrate` built, and the test suite). Returns the
+    process, or None."""
+    if os.environ.get("SPECSERVE_COMPILE_BUILDS") == "0":
+        return None
+    lock = out.with_suffix(".lock")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return None
+    os.close(fd)
+    cmd = [sys.executable, "-m", "specserve.model.compiled", str(checkpoint), "--dtype", dtype,
+           "--block-size", str(block_size), "--out", str(out)]
+    log = open(out.with_suffix(".log"), "w")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True, preexec_fn=lambda: os.nice(19))
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from specserve.model.loader import load_model
+
+    ap = argparse.ArgumentParser(description="build the compiled CPU forward of one checkpoint")
+    ap.add_argument("checkpoint")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--block-size", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    try:
+        model, _ = load_model(args.checkpoint, dtype=args.dtype, progress=False)
+        start = time.perf_counter()
+        build(model, args.block_size, out)
+        print(f"compiled forward of {args.checkpoint} written to {out} in {time.perf_counter() - start:.0f} s")
+        return 0
+    finally:
+        out.with_suffix(".lock").unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
