@@ -111,11 +111,15 @@ class ModelRunner:
                                     capture=capture, pool=pool)
 
     def use_compiled(self, forward) -> None:
-        """Run forwards through a compiled forward (model/compiled.py) where its layout fits."""
+        """Run forwards through a compiled forward (model/compiled.py) where its layout fits. Its
+        forwards use every thread at every row count: without the eager ops' per-call costs a
+        one-row step is bound by the matmuls, which two threads share (benchmarks/RESULTS.md)."""
         from specserve.model.llama import kv_pool
 
         self.compiled = forward
         self.kv_pool = kv_pool(self.kv_caches)
+        if self.cpu_threads is not None:
+            self.cpu_threads = CpuThreads(self.cpu_threads.max_threads, min_rows=1)
 
     @property
     def cache_tensors(self) -> list[torch.Tensor]:

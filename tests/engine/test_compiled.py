@@ -1,17 +1,22 @@
 """The compiled CPU forward (model/compiled.py) against the eager one: the same logits (float32
 rounding), the same keys and values in the pool, for every layout a step makes (a decode row, a
-chain, a tree, sequences of different row counts, a prompt chunk), and the engine's greedy
-output the same through it as without it, with speculation and without. One package is built
-per test session (about a minute on two cores) for a two-layer Qwen3-shaped checkpoint (per-head
-q/k norms) and reused."""
+chain, a tree, sequences of different row counts, a prompt chunk); through the engine, greedy
+speculative output equal to target-only output on it for chains and trees, sampled output
+following the target's distribution, every block back after aborts; and how the engine takes a
+package up. Two packages are built per test session (about half a minute each on two cores), in
+the session's cache directory where the engine looks: a two-layer Qwen3-shaped target (per-head
+q/k norms) and a draft that is the target with noise added (it agrees often, not always)."""
 
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+from specserve import LLM, SamplingParams
 from specserve.model import compiled
 from specserve.model.loader import load_model
 from specserve.runner import ForwardInput, ModelRunner, slots_for
@@ -20,12 +25,30 @@ from tests.checkpoints import make_checkpoint
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def package(tmp_path_factory):
-    ckpt = make_checkpoint(tmp_path_factory.mktemp("compiled_qwen3"), arch="qwen3", num_hidden_layers=2)
+def build(ckpt) -> object:
     model, _ = load_model(ckpt, dtype="float32", progress=False)
-    path = compiled.build(model, BLOCK, tmp_path_factory.mktemp("pkg") / "forward.pt2")
-    return ckpt, path
+    path = compiled.package_path(ckpt, model, BLOCK)
+    if not path.is_file():
+        compiled.build(model, BLOCK, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compiled")
+    target = make_checkpoint(root / "target", arch="qwen3", num_hidden_layers=2)
+    draft = root / "draft"
+    shutil.copytree(target, draft)
+    weights = load_file(draft / "model.safetensors")
+    g = torch.Generator().manual_seed(5)
+    weights = {k: v + 0.1 * v.std() * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in weights.items()}
+    save_file(weights, draft / "model.safetensors", metadata={"format": "pt"})
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def package(pair):
+    return pair[0], build(pair[0])
 
 
 def runners(ckpt, path):
@@ -90,6 +113,104 @@ def test_padding_past_the_bound_runs_eagerly(package):
         inp.add([7], [4], slots_for(table, BLOCK, 4, 1), table, 5, logit_rows=[0])
     assert fast._compiled_forward(inp) is None
     assert fast.forward(inp).shape[0] == 3
+
+
+PROMPTS = [[5, 9, 23, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 3], [100] * 3]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def engine(pair, compile="auto", **kw) -> LLM:
+    target, draft = pair
+    args = dict(target=str(target), draft=str(draft), dtype="float32", device="cpu", progress=False,
+                num_blocks=96, block_size=BLOCK, cpu_compile=compile)
+    args.update(kw)
+    return LLM(**args)
+
+
+@pytest.fixture(scope="module")
+def draft_package(pair):
+    return build(pair[1])
+
+
+@pytest.mark.parametrize("tree", ["chain", "fixed", "dynamic"])
+def test_greedy_speculation_equals_target_only_on_the_compiled_forward(pair, package, draft_package, tree):
+    ref = engine(pair, draft="none")
+    assert ref.engine.target.compiled is not None
+    want = [o.token_ids for o in ref.generate(PROMPTS, GREEDY)]
+    eager = engine(pair, compile="off", draft="none")
+    assert [o.token_ids for o in eager.generate(PROMPTS, GREEDY)] == want
+    llm = engine(pair, spec_mode="static", spec_depth=4, spec_tree=tree, spec__branching=[3, 2, 1])
+    assert llm.engine.target.compiled is not None and llm.engine.draft.compiled is not None
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    totals = llm.engine.spec.totals
+    assert 0 < totals.num_accepted_tokens < totals.num_draft_tokens   # the draft is wrong sometimes
+    llm.engine.pool.check_all_free()
+
+
+def test_sampling_follows_the_target_on_the_compiled_forward(pair, package, draft_package):
+    from tests.engine.test_lossless import PROMPT, TEMPERATURE, TOP_K, TOP_P, bound, exact_joint, tv
+
+    n, prompt, length = 1500, PROMPT, 3
+    sampling = dict(temperature=TEMPERATURE, top_k=TOP_K, top_p=TOP_P)
+    exact = exact_joint(pair[0], length=length)
+    llm = engine(pair, spec_mode="static", spec_depth=length - 1, num_blocks=4 * n, max_num_seqs=n,
+                 max_num_batched_tokens=16 * n, max_waiting_requests=n)
+    params = [SamplingParams(max_tokens=length, seed=i, ignore_eos=True, **sampling) for i in range(n)]
+    counts = {}
+    for o in llm.generate([prompt] * n, params):
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    llm.engine.pool.check_all_free()
+    assert llm.engine.spec.totals.num_accepted_tokens < llm.engine.spec.totals.num_draft_tokens
+    assert set(counts) <= set(exact)
+    assert tv(counts, n, exact) < bound(len(exact), n)
+
+
+def test_aborts_free_every_block(pair, package, draft_package):
+    llm = engine(pair, spec_mode="static", spec_depth=3)
+    eng = llm.engine
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"r{i}", p, GREEDY)
+    for _ in range(3):
+        eng.step()
+    for i in range(len(PROMPTS)):
+        eng.abort_request(f"r{i}")
+    eng.step()
+    assert not eng.has_unfinished_requests()
+    eng.pool.check_all_free()
+
+
+def test_a_package_built_while_serving_is_taken_up(pair, package, tmp_path, monkeypatch, caplog):
+    """No package where the engine looks: it serves eagerly, then takes the package up between
+    steps once it lies there, and probes the controller's step costs again."""
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    llm = engine(pair, draft="none")
+    eng = llm.engine
+    assert eng.target.compiled is None and [b[0] for b in eng._building] == ["target"]
+    before = [o.token_ids for o in llm.generate(PROMPTS[:1], GREEDY)]
+    assert eng.target.compiled is None
+    eng._building[0][2].parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(package[1], eng._building[0][2])
+    eng._next_build_check = 0.0
+    after = [o.token_ids for o in llm.generate(PROMPTS[:1], GREEDY)]
+    assert eng.target.compiled is not None and not eng._building
+    assert after == before
+
+
+def test_a_failed_build_leaves_the_engine_eager(pair, tmp_path, monkeypatch, caplog):
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    llm = engine(pair, draft="none")
+    eng = llm.engine
+    name, runner, path, _ = eng._building[0]
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    failed.wait()
+    eng._building = [(name, runner, path, failed)]
+    eng._next_build_check = 0.0
+    llm.generate(PROMPTS[:1], GREEDY)
+    assert eng.target.compiled is None and not eng._building
+    assert "building the compiled forward failed" in caplog.text
 
 
 def test_unusable_package_is_ignored(tmp_path):
