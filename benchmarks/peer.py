@@ -18,6 +18,12 @@ What it does, all of it cached outside git (~/.cache/specserve/peer, or $SPECSER
      ignored, --max-tokens each, not streamed; tokens/s = completion tokens over the cell's wall
      time. Each server answers a few requests before the first round.
 
+Before the servers start it measures, in process, plain decoding at batch 1 (speculation off,
+the compiled forward built first if it is not cached) against this machine's memory-bandwidth
+bound for the target: bytes a step must read (every weight once, and the keys and values of the
+context) over the bytes per second a large copy moves (a 256 MiB float32 tensor copied by torch
+with every thread, best of 5, counting each byte once).
+
 It prints a table (median over rounds and the range), the ratio of specserve to llama.cpp's
 best setting at each C, and how many of the first generated tokens the two agree on (they run
 the same weights, so a low figure means a broken conversion, not a faster server). The JSON
@@ -192,6 +198,50 @@ def servers(cache: Path, out_dir: Path, draft_max: list[int], threads: int) -> l
     return made
 
 
+# -- plain decoding against the memory-bandwidth bound ---------------------------------------------
+
+def copy_speed() -> float:
+    """Bytes per second a 256 MiB copy moves (each byte counted once), best of 5."""
+    import torch
+
+    src = torch.ones(64 << 20)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return src.numel() * src.element_size() / best
+
+
+def plain_decoding(prompt: list[int], max_tokens: int) -> dict:
+    """Batch-1 plain decoding of the default setup in this process: steps/s beside the bound."""
+    from specserve import LLM, SamplingParams
+    from specserve import config as config_mod
+    from specserve.model import compiled
+
+    compiled.build_for(config_mod.default())
+    llm = LLM(progress=False, spec_mode="static", spec_depth=0)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], params)   # warm
+    eng.add_request("plain", prompt, params)
+    eng.step()   # the prefill
+    steps, t0 = 0, time.perf_counter()
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+    rate = steps / (time.perf_counter() - t0)
+    model, args = eng.target.model, eng.target_args
+    kv_per_token = args.kv_bytes_per_block(1, model.dtype)
+    mean_context = len(prompt) + max_tokens / 2
+    step_bytes = model.linear_weight_bytes() + kv_per_token * mean_context
+    speed = copy_speed()
+    return {"steps_per_s": rate, "bound_steps_per_s": speed / step_bytes, "copy_bytes_per_s": speed,
+            "step_bytes": step_bytes, "compiled": eng.target.compiled is not None}
+
+
 # -- load -----------------------------------------------------------------------------------------
 
 async def closed_loop(server: Server, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
@@ -281,15 +331,22 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     if not shutil.which("cmake"):
         raise SystemExit("cmake is needed to build llama-server (apt-get install cmake g++)")
-    print("preparing llama.cpp", flush=True)
-    made = servers(cache_dir(), out.parent, args.llama_draft_max, args.threads)
-    names = [s.name for s in made]
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(PAIR["target"])
     n = max(2 * max(args.concurrency), 8)
     prompts = held_out_prompts(n + 4, 64, tokenizer)
     warm, prompts = prompts[:4], prompts[4:]
+    print("plain decoding at batch 1, in process", flush=True)
+    plain = plain_decoding(warm[0], 256)
+    bound_line = (f"plain decoding at batch 1 ({'compiled' if plain['compiled'] else 'eager'} forward): "
+                  f"{plain['steps_per_s']:.0f} steps/s = {plain['steps_per_s'] / plain['bound_steps_per_s']:.0%} of "
+                  f"the memory-bandwidth bound {plain['bound_steps_per_s']:.0f} steps/s "
+                  f"({plain['step_bytes'] / 1e6:.1f} MB a step at {plain['copy_bytes_per_s'] / 1e9:.1f} GB/s copied)")
+    print(bound_line, flush=True)
+    print("preparing llama.cpp", flush=True)
+    made = servers(cache_dir(), out.parent, args.llama_draft_max, args.threads)
+    names = [s.name for s in made]
     results = {s.name: {c: [] for c in args.concurrency} for s in made}
     try:
         for s in made:
@@ -310,14 +367,14 @@ def main(argv=None) -> int:
     agree = {n: agreement(results["specserve"][args.concurrency[0]][0]["texts"],
                           results[n][args.concurrency[0]][0]["texts"]) for n in names[1:]}
     text += "\n\nfirst 40 characters of output equal to specserve's: " + ", ".join(
-        f"{n} {a:.0%}" for n, a in agree.items())
+        f"{n} {a:.0%}" for n, a in agree.items()) + "\n" + bound_line
     print(text)
     for cells in results.values():
         for runs in cells.values():
             for cell in runs:
                 cell.pop("texts")
     out.write_text(json.dumps({"commit": git_commit(), "args": vars(args), "results": results,
-                               "ratios": ratios, "agreement": agree}, indent=1))
+                               "ratios": ratios, "agreement": agree, "plain_decoding": plain}, indent=1))
     print(f"plot: {plot(results, names, args.concurrency, out.with_suffix('.png'))}")
     return 0
 

@@ -94,7 +94,9 @@ def cmd_calibrate(args) -> int:
 
     cfg = _engine_config(args)
     cfg.spec.mode = "static"   # the engine's own start-up probe is not wanted: this one is thorough
-    _build_compiled(cfg)
+    from specserve.model import compiled
+
+    compiled.build_for(cfg)
     engine = LLMEngine(cfg)
     spec = engine.spec
     if spec.drafter is None:
@@ -105,25 +107,6 @@ def cmd_calibrate(args) -> int:
     path = profile.calibrate(engine, spec.buckets(), spec.nodes_at(spec.max_depth()) + 1)
     print(f"profile written to {path}; `specserve serve` with this setup starts from it")
     return 0
-
-
-def _build_compiled(cfg) -> None:
-    """The compiled CPU forwards of the setup's float32 models, built now where not cached."""
-    import torch
-
-    from specserve.model import compiled
-    from specserve.model.loader import load_model
-
-    if cfg.cpu.compile == "off" or cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        return
-    paths = [cfg.target.path] + ([cfg.draft.path] if cfg.draft.kind == "model" else [])
-    for path, dtype in zip(paths, (cfg.target.dtype, cfg.draft.dtype)):
-        model, _ = load_model(path, dtype=dtype, progress=False)
-        package = compiled.package_path(path, model, cfg.cache.block_size)
-        if not compiled.supported(model) or package.is_file():
-            continue
-        print(f"compiling the forward of {path} (a minute or two, once)", file=sys.stderr)
-        compiled.build(model, cfg.cache.block_size, package)
 
 
 def main(argv: list[str] | None = None) -> int:

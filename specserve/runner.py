@@ -81,6 +81,9 @@ class CpuThreads:
         return before
 
 
+_COMPILED_MAX_ROWS = 256   # new rows of one sequence the compiled forward takes (model/compiled.py)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, args, num_blocks: int, block_size: int, device: torch.device,
                  cpu_threads: CpuThreads | None = None):
@@ -204,10 +207,11 @@ class ModelRunner:
     def _compiled_forward(self, inp: ForwardInput) -> torch.Tensor | None:
         """The hidden rows of `inp`, in its order, from the compiled forward; None (run it eagerly)
         when padding every sequence to the most rows would more than double the rows (a prompt
-        chunk beside decode rows)."""
+        chunk beside decode rows), or for a long prompt chunk (whose [rows, keys] scores the
+        eager path's flash attention never holds whole)."""
         q_lens, seq_lens = inp.query_lens, inp.seq_lens
         B, q, T = len(q_lens), max(q_lens), inp.num_rows
-        if B * q > 2 * T + 8:
+        if B * q > 2 * T + 8 or q > _COMPILED_MAX_ROWS:
             return None
         bs = self.block_size
         ctx = [s - n for s, n in zip(seq_lens, q_lens)]

@@ -135,6 +135,29 @@ def build(model: CausalLM, block_size: int, out: Path) -> Path:
     return out
 
 
+def build_for(config) -> list[Path]:
+    """The packages of a setup's float32 CPU models, built now where not cached (`specserve
+    calibrate`, benchmarks); returns their paths."""
+    from specserve.model.loader import load_model
+
+    if config.cpu.compile == "off" or config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        return []
+    models = [(config.target.path, config.target.dtype)]
+    if config.draft.kind == "model":
+        models.append((config.draft.path, config.draft.dtype))
+    paths = []
+    for checkpoint, dtype in models:
+        model, _ = load_model(checkpoint, dtype=dtype, progress=False)
+        if not supported(model):
+            continue
+        package = package_path(checkpoint, model, config.cache.block_size)
+        if not package.is_file():
+            print(f"compiling the forward of {checkpoint} (a minute or two, once)", file=sys.stderr, flush=True)
+            build(model, config.cache.block_size, package)
+        paths.append(package)
+    return paths
+
+
 # -- the cache ------------------------------------------------------------------------------------
 
 def cache_dir() -> Path:
