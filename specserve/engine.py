@@ -7,12 +7,10 @@ import asyncio
 import itertools
 import logging
 import queue
-import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -133,8 +131,15 @@ class LLMEngine:
         self.target = ModelRunner(target, self.target_args, num_blocks, block_size, self.device, threads)
         self.draft = (ModelRunner(draft_model, draft_args, num_blocks, block_size, self.device, threads)
                       if draft_model else None)
+        self._building: list[tuple] = []   # (name, runner, package, build process) not yet compiled
+        self._next_build_check = 0.0
+        if config.cpu.compile == "auto" and self.device.type == "cpu":
+            self._use_compiled(config, block_size)
         for name, runner in (("target", self.target), ("draft", self.draft)):
-            min_bytes = None if runner is None else _onednn_min_layer_bytes(config, runner.model)
+            # A compiled forward runs its own matmuls; its runner's linear layers (the LM head,
+            # forwards it does not take) keep F.linear.
+            min_bytes = (None if runner is None or runner.compiled is not None
+                         else _onednn_min_layer_bytes(config, runner.model))
             if min_bytes is not None and (packed := runner.model.pack_for_onednn(min_bytes)):
                 if config.cpu.linear == "auto" and not self._packed_is_faster(runner):
                     runner.model.unpack_onednn()
@@ -143,13 +148,10 @@ class LLMEngine:
                     logger.info("%s: %d linear layers run through oneDNN with packed weights", name, packed)
         if config.cuda_graphs:
             self._use_graphs(config, block_size)
-        self._building: list[tuple[str, ModelRunner, Path, subprocess.Popen | None]] = []
-        self._next_build_check = 0.0
-        if config.cpu.compile == "auto" and self.device.type == "cpu":
-            self._use_compiled(config, block_size)
         self.pool_bytes = num_blocks * bytes_per_block
         self.scheduler = Scheduler(config.scheduler, self.pool, self.max_model_len, has_draft_kv=self.draft is not None)
         self.spec = make_speculator(config, self)
+        self._start_builds()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._aborted: list[Request] = []
@@ -177,10 +179,20 @@ class LLMEngine:
                 runner.use_compiled(forward)
                 logger.info("%s: compiled forward from %s", name, package)
                 continue
-            proc = compiled.build_in_background(paths[name], "float32", block_size, package)
+            self._building.append((name, runner, package, paths[name]))
+
+    def _start_builds(self) -> None:
+        """Start building the compiled forwards that are not cached, once the engine is ready: the
+        start-up probe runs without a compiler beside it."""
+        from specserve.model import compiled
+
+        started = []
+        for name, runner, package, checkpoint in self._building:
+            proc = compiled.build_in_background(checkpoint, "float32", self.pool.block_size, package)
             logger.info("%s: building its compiled forward in the background (a minute or two, once; "
                         "log: %s); eager until then", name, package.with_suffix(".log"))
-            self._building.append((name, runner, package, proc))
+            started.append((name, runner, package, proc))
+        self._building = started
 
     def _take_up_compiled(self) -> None:
         """Between steps, at most every 2 s: load the compiled forwards whose build has finished.

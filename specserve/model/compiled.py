@@ -183,12 +183,13 @@ def package_path(checkpoint: str | os.PathLike, model: CausalLM, block_size: int
 
 
 class CompiledForward:
-    """dense_forward's signature, run by the package's C++ runner. Called on the flat list of
-    tensors directly: the package's own __call__ parses its input and output tree specs from
-    JSON at every call, a visible share of a decode step."""
+    """dense_forward's signature, run by the package's C++ runner on the flat list of tensors.
+    The runner is made directly: torch's Python wrapper (aoti_load_package) imports the
+    compiler stack (seconds at every start) and parses the package's input and output tree
+    specs from JSON at every call (a visible share of a decode step)."""
 
-    def __init__(self, package):
-        self._run = package.loader.boxed_run
+    def __init__(self, path: Path):
+        self._run = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1).boxed_run
 
     def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         return self._run(list(tensors))
@@ -197,7 +198,7 @@ class CompiledForward:
 def load(path: Path) -> CompiledForward | None:
     """The compiled forward in `path`, or None (with a warning) when it cannot be used."""
     try:
-        return CompiledForward(torch._inductor.aoti_load_package(str(path)))
+        return CompiledForward(path)
     except Exception as e:   # a corrupt or foreign file is skipped, never fatal
         logger.warning("ignoring the compiled forward %s: %s", path, str(e).splitlines()[0] if str(e) else e)
         return None
