@@ -21,8 +21,8 @@ What it does, all of it cached outside git (~/.cache/specserve/peer, or $SPECSER
 Before the servers start it measures, in process, plain decoding at batch 1 (speculation off,
 the compiled forward built first if it is not cached) against this machine's memory-bandwidth
 bound for the target: bytes a step must read (every weight once, and the keys and values of the
-context) over the bytes per second a large copy moves (a 256 MiB float32 tensor copied by torch
-with every thread, best of 5, counting each byte once).
+context) over the memory traffic of a large copy (a 256 MiB float32 tensor copied by torch with
+every thread, best of 5; its bytes read plus its bytes written per second).
 
 It prints a table (median over rounds and the range), the ratio of specserve to llama.cpp's
 best setting at each C, and how many of the first generated tokens the two agree on (they run
@@ -201,7 +201,7 @@ def servers(cache: Path, out_dir: Path, draft_max: list[int], threads: int) -> l
 # -- plain decoding against the memory-bandwidth bound ---------------------------------------------
 
 def copy_speed() -> float:
-    """Bytes per second a 256 MiB copy moves (each byte counted once), best of 5."""
+    """Memory traffic of a 256 MiB copy, bytes read plus bytes written per second, best of 5."""
     import torch
 
     src = torch.ones(64 << 20)
@@ -212,7 +212,7 @@ def copy_speed() -> float:
         t0 = time.perf_counter()
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
-    return src.numel() * src.element_size() / best
+    return 2 * src.numel() * src.element_size() / best
 
 
 def plain_decoding(prompt: list[int], max_tokens: int) -> dict:
@@ -342,7 +342,8 @@ def main(argv=None) -> int:
     bound_line = (f"plain decoding at batch 1 ({'compiled' if plain['compiled'] else 'eager'} forward): "
                   f"{plain['steps_per_s']:.0f} steps/s = {plain['steps_per_s'] / plain['bound_steps_per_s']:.0%} of "
                   f"the memory-bandwidth bound {plain['bound_steps_per_s']:.0f} steps/s "
-                  f"({plain['step_bytes'] / 1e6:.1f} MB a step at {plain['copy_bytes_per_s'] / 1e9:.1f} GB/s copied)")
+                  f"({plain['step_bytes'] / 1e6:.1f} MB a step at {plain['copy_bytes_per_s'] / 1e9:.1f} GB/s, a copy's "
+                  "reads and writes)")
     print(bound_line, flush=True)
     print("preparing llama.cpp", flush=True)
     made = servers(cache_dir(), out.parent, args.llama_draft_max, args.threads)

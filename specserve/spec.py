@@ -253,6 +253,13 @@ class Speculator:
             index = torch.tensor([v.first_row + min(j, v.tree.num_nodes) for v in verified
                                   for j in range(max_nodes + 1)], device=dev)
         argmax = logits.argmax(dim=-1)
+        if index is None and not max_nodes and all(r.params.is_greedy for r in requests):
+            # Greedy rows with no nodes (plain decoding): tree_accept accepts nothing and its
+            # bonus is the argmax, which needs none of the tensors below.
+            bonus = argmax.tolist()
+            new_tokens = self._commit(verified, [[]] * num_seqs, [0] * num_seqs, bonus)
+            self._logprobs(logits, verified, [[]] * num_seqs, new_tokens)
+            return new_tokens
         target_argmax = (argmax if index is None else argmax[index]).view(num_seqs, max_nodes + 1)
         tensors = SamplingTensors.from_params([r.params for r in requests], dev)
         vocab = 1 if tensors.all_greedy else logits.shape[1]   # greedy reads only the argmax
