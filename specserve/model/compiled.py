@@ -54,13 +54,7 @@ def dense_forward(
     tables: torch.Tensor,  # [B, W] int64: block ids of each sequence's context (any id past it)
     ctx_lens: torch.Tensor,  # [B] int64: cached keys each sequence's new rows see
     mask: torch.Tensor,  # [B, q, q] bool: new row t sees new row j
-    one_row: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # hidden [B*q, H]; new K, V [L, B*q, Hkv, D]
-    """one_row: the matrix products written as multiply-and-sum reductions, which the compiler
-    fuses into one loop streaming each weight once: for a single row about twice as fast as
-    the BLAS's matrix-vector product on this CPU, and several times slower for a few rows (it
-    reads the weight again for every row), so only the single-row package uses them."""
-    linear = _rowwise_linear if one_row else F.linear
     args = model.args
     B, q = input_ids.shape
     Hq, Hkv, D = args.num_heads, args.num_kv_heads, args.head_dim
@@ -75,7 +69,7 @@ def dense_forward(
     keys, values = [], []
     for layer_index, layer in enumerate(model.layers):
         attn, ffn = layer.attention, layer.feed_forward
-        qkv = linear(layer.attention_norm.forward(x), attn.wqkv.weight, attn.wqkv.bias)
+        qkv = F.linear(layer.attention_norm.forward(x), attn.wqkv.weight, attn.wqkv.bias)
         qh, kh, vh = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
         qh, kh, vh = qh.reshape(-1, Hq, D), kh.reshape(-1, Hkv, D), vh.reshape(-1, Hkv, D)
         if attn.q_norm is not None:
@@ -92,25 +86,19 @@ def dense_forward(
         probs = torch.softmax(scores.reshape(B, Hkv, q, G, -1) + bias, dim=-1).reshape(B, Hkv, q * G, -1)
         out = torch.matmul(probs, v_all.transpose(1, 2))  # [B, Hkv, q * G, D]
         out = out.reshape(B, Hkv, q, G, D).permute(0, 2, 1, 3, 4).reshape(B * q, Hq * D)
-        h = x + linear(out, attn.wo.weight)
-        gate, up = linear(layer.ffn_norm.forward(h), ffn.w13.weight).chunk(2, dim=-1)
-        x = h + linear(F.silu(gate) * up, ffn.w2.weight)
+        h = x + F.linear(out, attn.wo.weight)
+        gate, up = F.linear(layer.ffn_norm.forward(h), ffn.w13.weight).chunk(2, dim=-1)
+        x = h + F.linear(F.silu(gate) * up, ffn.w2.weight)
     return model.norm.forward(x), torch.stack(keys), torch.stack(values)
 
 
-def _rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    out = (x[:, None, :] * weight[None]).sum(-1)   # [T, out]: sum_k x[t, k] * weight[o, k]
-    return out if bias is None else out + bias
-
-
 class _Traced(torch.nn.Module):
-    def __init__(self, model: CausalLM, one_row: bool):
+    def __init__(self, model: CausalLM):
         super().__init__()
-        self.model, self.one_row = model, one_row
+        self.model = model
 
     def forward(self, input_ids, positions, k_pool, v_pool, tables, ctx_lens, mask):
-        return dense_forward(self.model, input_ids, positions, k_pool, v_pool, tables, ctx_lens, mask,
-                             one_row=self.one_row)
+        return dense_forward(self.model, input_ids, positions, k_pool, v_pool, tables, ctx_lens, mask)
 
 
 def supported(model: CausalLM) -> bool:
@@ -120,10 +108,10 @@ def supported(model: CausalLM) -> bool:
             and hasattr(first.attention, "wqkv") and hasattr(first.feed_forward, "w13"))
 
 
-def example_inputs(model: CausalLM, block_size: int, B: int = 2, q: int = 3) -> tuple[torch.Tensor, ...]:
+def example_inputs(model: CausalLM, block_size: int) -> tuple[torch.Tensor, ...]:
     """Inputs to trace with: sizes distinct from each other, so no two symbolic sizes merge."""
     args = model.args
-    W, NB = 5, 17
+    B, q, W, NB = 2, 3, 5, 17
     pool = (args.num_layers, NB, block_size, args.num_kv_heads, args.head_dim)
     return (torch.zeros(B, q, dtype=torch.int64), torch.arange(q).repeat(B, 1) + 40,
             torch.zeros(pool), torch.zeros(pool), torch.arange(B * W).reshape(B, W) % NB,
@@ -131,28 +119,20 @@ def example_inputs(model: CausalLM, block_size: int, B: int = 2, q: int = 3) -> 
 
 
 def build(model: CausalLM, block_size: int, out: Path) -> Path:
-    """Export and compile `dense_forward` for `model` into the package `out` (any batch, rows,
-    blocks and pool size) and its single-row sibling `one_row_path(out)` (a forward of one
-    row: plain decoding and draft levels at batch 1). Each is written whole or not at all."""
+    """Export and compile `dense_forward` for `model` into the package `out` (written whole or
+    not at all)."""
     from torch.export import Dim, export
 
-    W, NB = Dim("blocks", min=1, max=1 << 20), Dim("pool_blocks", min=1, max=1 << 24)
     B, q = Dim("batch", min=1, max=1 << 14), Dim("rows", min=1, max=1 << 14)
-    general = ({0: B, 1: q}, {0: B, 1: q}, {1: NB}, {1: NB}, {0: B, 1: W}, {0: B}, {0: B, 1: q, 2: q})
-    single = (None, None, {1: NB}, {1: NB}, {1: W}, None, None)
+    W, NB = Dim("blocks", min=1, max=1 << 20), Dim("pool_blocks", min=1, max=1 << 24)
+    shapes = ({0: B, 1: q}, {0: B, 1: q}, {1: NB}, {1: NB}, {0: B, 1: W}, {0: B}, {0: B, 1: q, 2: q})
+    with torch.inference_mode():
+        program = export(_Traced(model).eval(), example_inputs(model, block_size), dynamic_shapes=shapes)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for one_row, shapes, path in ((True, single, one_row_path(out)), (False, general, out)):
-        inputs = example_inputs(model, block_size, *((1, 1) if one_row else (2, 3)))
-        with torch.inference_mode():
-            program = export(_Traced(model, one_row).eval(), inputs, dynamic_shapes=shapes)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
-        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
-        tmp.replace(path)
+    tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
+    torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
+    tmp.replace(out)
     return out
-
-
-def one_row_path(package: Path) -> Path:
-    return package.with_suffix(".one_row.pt2")
 
 
 def build_for(config) -> list[Path]:
@@ -171,7 +151,7 @@ def build_for(config) -> list[Path]:
         if not supported(model):
             continue
         package = package_path(checkpoint, model, config.cache.block_size)
-        if not (package.is_file() and one_row_path(package).is_file()):
+        if not package.is_file():
             print(f"compiling the forward of {checkpoint} (a minute or two, once)", file=sys.stderr, flush=True)
             build(model, config.cache.block_size, package)
         paths.append(package)
@@ -203,20 +183,16 @@ def package_path(checkpoint: str | os.PathLike, model: CausalLM, block_size: int
 
 
 class CompiledForward:
-    """dense_forward's signature, run by the C++ runners of a package and its single-row sibling
-    on the flat list of tensors (a forward of one row goes to the sibling). The runners are
-    made directly: torch's Python wrapper (aoti_load_package) imports the compiler stack
-    (seconds at every start) and parses the package's input and output tree specs from JSON at
-    every call (a visible share of a decode step)."""
+    """dense_forward's signature, run by the package's C++ runner on the flat list of tensors.
+    The runner is made directly: torch's Python wrapper (aoti_load_package) imports the
+    compiler stack (seconds at every start) and parses the package's input and output tree
+    specs from JSON at every call (a visible share of a decode step)."""
 
     def __init__(self, path: Path):
-        make = torch._C._aoti.AOTIModelPackageLoader
-        self._run = make(str(path), "model", False, 1, -1).boxed_run
-        self._run_one = make(str(one_row_path(path)), "model", False, 1, -1).boxed_run
+        self._run = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1).boxed_run
 
-    def __call__(self, input_ids: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        run = self._run_one if input_ids.numel() == 1 else self._run
-        return run([input_ids, *tensors])
+    def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        return self._run(list(tensors))
 
 
 def load(path: Path) -> CompiledForward | None:

@@ -3,9 +3,8 @@ rounding), the same keys and values in the pool, for every layout a step makes (
 chain, a tree, sequences of different row counts, a prompt chunk); through the engine, greedy
 speculative output equal to target-only output on it for chains and trees, sampled output
 following the target's distribution, every block back after aborts; and how the engine takes a
-package up. Two models' packages (each a general one and a single-row one) are built per test
-session (about a minute each on two cores), in the session's cache directory where the engine
-looks: a two-layer Qwen3-shaped target (per-head
+package up. Two packages are built per test session (about half a minute each on two cores), in
+the session's cache directory where the engine looks: a two-layer Qwen3-shaped target (per-head
 q/k norms) and a draft that is the target with noise added (it agrees often, not always)."""
 
 from __future__ import annotations
@@ -189,10 +188,8 @@ def test_a_package_built_while_serving_is_taken_up(pair, package, tmp_path, monk
     assert eng.target.compiled is None and [b[0] for b in eng._building] == ["target"]
     before = [o.token_ids for o in llm.generate(PROMPTS[:1], GREEDY)]
     assert eng.target.compiled is None
-    where = eng._building[0][2]
-    where.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy(compiled.one_row_path(package[1]), compiled.one_row_path(where))
-    shutil.copy(package[1], where)   # the general package last, as a build writes them
+    eng._building[0][2].parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(package[1], eng._building[0][2])
     eng._next_build_check = 0.0
     after = [o.token_ids for o in llm.generate(PROMPTS[:1], GREEDY)]
     assert eng.target.compiled is not None and not eng._building
