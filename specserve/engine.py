@@ -205,15 +205,15 @@ class LLMEngine:
         self._next_build_check = time.perf_counter() + 2.0
         waiting, taken = [], False
         for name, runner, package, proc in self._building:
-            if package.is_file() and (forward := compiled.load(package)) is not None:
+            if proc is not None and proc.poll() is None or proc is None and not package.is_file():
+                waiting.append((name, runner, package, proc))   # still building (here or elsewhere)
+            elif proc is not None and proc.returncode != 0:
+                logger.warning("%s: building the compiled forward failed; staying eager (see %s)",
+                               name, package.with_suffix(".log"))
+            elif (forward := compiled.load(package)) is not None:   # load() warns when it cannot
                 runner.use_compiled(forward)
                 logger.info("%s: now on its compiled forward (%s)", name, package)
                 taken = True
-            elif proc is not None and proc.poll() not in (None, 0):
-                logger.warning("%s: building the compiled forward failed; staying eager (see %s)",
-                               name, package.with_suffix(".log"))
-            else:
-                waiting.append((name, runner, package, proc))
         self._building = waiting
         if taken and self.spec.controller is not None:
             self.spec.controller = self.spec.make_controller()

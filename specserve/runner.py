@@ -227,7 +227,7 @@ class ModelRunner:
                 slots += inp.slot_mapping[start:start + n] + [-1] * pad
                 real += range(len(ids) - q, len(ids) - pad)
                 start += n
-        tables = [x for bt in inp.block_tables for x in (bt[:W] + [0] * (W - len(bt)) if len(bt) < W else bt[:W])]
+        tables = [x for bt in inp.block_tables for x in (bt + [0] * W)[:W]]   # its context's blocks, padded
         longs = torch.tensor(ids + pos + slots + ctx + tables, dtype=torch.int64)
         ids_t, pos_t, slots_t, ctx_t, tables_t = longs.split_with_sizes([B * q, B * q, B * q, B, B * W])
         if all(m is None for m in inp.masks) and uniform:
