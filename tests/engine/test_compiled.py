@@ -14,13 +14,12 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from specserve import LLM, SamplingParams
 from specserve.model import compiled
 from specserve.model.loader import load_model
 from specserve.runner import ForwardInput, ModelRunner, slots_for
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import make_checkpoint, noisy_copy
 
 BLOCK = 4
 
@@ -37,13 +36,7 @@ def build(ckpt) -> object:
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("compiled")
     target = make_checkpoint(root / "target", arch="qwen3", num_hidden_layers=2)
-    draft = root / "draft"
-    shutil.copytree(target, draft)
-    weights = load_file(draft / "model.safetensors")
-    g = torch.Generator().manual_seed(5)
-    weights = {k: v + 0.1 * v.std() * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in weights.items()}
-    save_file(weights, draft / "model.safetensors", metadata={"format": "pt"})
-    return target, draft
+    return target, noisy_copy(target, root / "draft", 0.1)
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from specserve import LLM, SamplingParams
 from specserve.controller import EarlyStop, Plan
 from specserve.spec import SpecTotals
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import make_checkpoint, noisy_copy
 
 PROMPTS = [
     [5, 6, 7],
@@ -36,12 +35,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("spec")
     target = make_checkpoint(root / "target", "llama", dtype=torch.float64)
     # A weaker draft: the target with noise on every weight (accepts some, rejects some).
-    weak = root / "weak"
-    shutil.copytree(target, weak)
-    sd = load_file(weak / "model.safetensors")
-    g = torch.Generator().manual_seed(5)
-    sd = {k: v + 0.05 * v.std() * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in sd.items()}
-    save_file(sd, weak / "model.safetensors", metadata={"format": "pt"})
+    weak = noisy_copy(target, root / "weak", 0.05)
     bad = make_checkpoint(root / "bad", "llama", dtype=torch.float64, seed=1, num_hidden_layers=1)
     return {"target": target, "perfect": target, "weak": weak, "bad": bad}
 
