@@ -165,18 +165,3 @@ def rewrite_config(dir, **changes) -> dict:
     file.write_text(json.dumps(data, indent=2))
     return data
 
-
-def noisy_copy(src, dst, scale: float, seed: int = 5) -> Path:
-    """A copy of checkpoint `src` at `dst` with noise of `scale` times each weight's standard
-    deviation added: a draft that agrees with its target often, not always."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    dst = Path(dst)
-    shutil.copytree(src, dst)
-    weights = load_file(dst / "model.safetensors")
-    g = torch.Generator().manual_seed(seed)
-    weights = {k: v + scale * v.std() * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in weights.items()}
-    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst

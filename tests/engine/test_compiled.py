@@ -19,7 +19,7 @@ from specserve import LLM, SamplingParams
 from specserve.model import compiled
 from specserve.model.loader import load_model
 from specserve.runner import ForwardInput, ModelRunner, slots_for
-from tests.checkpoints import make_checkpoint, noisy_copy
+from tests.checkpoints import make_checkpoint, make_noisy_copy
 
 BLOCK = 4
 
@@ -36,7 +36,7 @@ def build(ckpt) -> object:
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("compiled")
     target = make_checkpoint(root / "target", arch="qwen3", num_hidden_layers=2)
-    return target, noisy_copy(target, root / "draft", 0.1)
+    return target, make_noisy_copy(target, root / "draft", seed=5, scale=0.1)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.controller import EarlyStop, Plan
 from specserve.spec import SpecTotals
-from tests.checkpoints import make_checkpoint, noisy_copy
+from tests.checkpoints import make_checkpoint, make_noisy_copy
 
 PROMPTS = [
     [5, 6, 7],
@@ -35,7 +35,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("spec")
     target = make_checkpoint(root / "target", "llama", dtype=torch.float64)
     # A weaker draft: the target with noise on every weight (accepts some, rejects some).
-    weak = noisy_copy(target, root / "weak", 0.05)
+    weak = make_noisy_copy(target, root / "weak", seed=5, scale=0.05)
     bad = make_checkpoint(root / "bad", "llama", dtype=torch.float64, seed=1, num_hidden_layers=1)
     return {"target": target, "perfect": target, "weak": weak, "bad": bad}
 
