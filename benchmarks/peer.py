@@ -22,7 +22,9 @@ Before the servers start it measures, in process, plain decoding at batch 1 (spe
 the compiled forward built first if it is not cached) against this machine's memory-bandwidth
 bound for the target: bytes a step must read (every weight once, and the keys and values of the
 context) over the memory traffic of a large copy (a 256 MiB float32 tensor copied by torch with
-every thread, best of 5; its bytes read plus its bytes written per second).
+every thread, best of 5; its bytes read plus its bytes written per second). The copy and a
+256-step decode alternate (--rounds, at least 5): the machine's memory speed moves by a third
+from minute to minute, so each round's ratio compares the two of one minute.
 
 It prints a table (median over rounds and the range), the ratio of specserve to llama.cpp's
 best setting at each C, and how many of the first generated tokens the two agree on (they run
@@ -215,8 +217,10 @@ def copy_speed() -> float:
     return 2 * src.numel() * src.element_size() / best
 
 
-def plain_decoding(prompt: list[int], max_tokens: int) -> dict:
-    """Batch-1 plain decoding of the default setup in this process: steps/s beside the bound."""
+def plain_decoding(prompt: list[int], max_tokens: int, rounds: int) -> dict:
+    """Batch-1 plain decoding of the default setup in this process beside the memory-bandwidth
+    bound, measured in alternation (`rounds` times a copy's speed, then `max_tokens` steps) so
+    that each ratio compares a decode with the bound of the same minute."""
     from specserve import LLM, SamplingParams
     from specserve import config as config_mod
     from specserve.model import compiled
@@ -226,20 +230,36 @@ def plain_decoding(prompt: list[int], max_tokens: int) -> dict:
     eng = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([prompt], params)   # warm
-    eng.add_request("plain", prompt, params)
-    eng.step()   # the prefill
-    steps, t0 = 0, time.perf_counter()
-    while eng.has_unfinished_requests():
-        eng.step()
-        steps += 1
-    rate = steps / (time.perf_counter() - t0)
     model, args = eng.target.model, eng.target_args
-    kv_per_token = args.kv_bytes_per_block(1, model.dtype)
     mean_context = len(prompt) + max_tokens / 2
-    step_bytes = model.linear_weight_bytes() + kv_per_token * mean_context
-    speed = copy_speed()
-    return {"steps_per_s": rate, "bound_steps_per_s": speed / step_bytes, "copy_bytes_per_s": speed,
+    step_bytes = model.linear_weight_bytes() + args.kv_bytes_per_block(1, model.dtype) * mean_context
+    runs = []
+    for r in range(rounds):
+        speed = copy_speed()
+        eng.add_request(f"plain-{r}", prompt, params)
+        eng.step()   # the prefill
+        steps, t0 = 0, time.perf_counter()
+        while eng.has_unfinished_requests():
+            eng.step()
+            steps += 1
+        rate = steps / (time.perf_counter() - t0)
+        runs.append({"steps_per_s": rate, "bound_steps_per_s": speed / step_bytes, "copy_bytes_per_s": speed})
+    ratios = [run["steps_per_s"] / run["bound_steps_per_s"] for run in runs]
+    return {"runs": runs, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
+            "ratio_max": max(ratios), "ratio_mean": statistics.fmean(ratios),
+            "ratio_sem": statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else 0.0,
             "step_bytes": step_bytes, "compiled": eng.target.compiled is not None}
+
+
+def bound_text(plain: dict) -> str:
+    runs = plain["runs"]
+    med = lambda key: statistics.median(run[key] for run in runs)  # noqa: E731
+    return (f"plain decoding at batch 1 ({'compiled' if plain['compiled'] else 'eager'} forward), {len(runs)} "
+            f"alternating rounds: {med('steps_per_s'):.0f} steps/s beside a bound of {med('bound_steps_per_s'):.0f} "
+            f"steps/s ({plain['step_bytes'] / 1e6:.1f} MB a step at {med('copy_bytes_per_s') / 1e9:.1f} GB/s, a "
+            f"copy's reads and writes; medians): {plain['ratio_median']:.0%} of the bound (rounds "
+            f"{plain['ratio_min']:.0%}-{plain['ratio_max']:.0%}, mean {plain['ratio_mean']:.0%} +- "
+            f"{plain['ratio_sem']:.0%} s.e.)")
 
 
 # -- load -----------------------------------------------------------------------------------------
@@ -338,12 +358,8 @@ def main(argv=None) -> int:
     prompts = held_out_prompts(n + 4, 64, tokenizer)
     warm, prompts = prompts[:4], prompts[4:]
     print("plain decoding at batch 1, in process", flush=True)
-    plain = plain_decoding(warm[0], 256)
-    bound_line = (f"plain decoding at batch 1 ({'compiled' if plain['compiled'] else 'eager'} forward): "
-                  f"{plain['steps_per_s']:.0f} steps/s = {plain['steps_per_s'] / plain['bound_steps_per_s']:.0%} of "
-                  f"the memory-bandwidth bound {plain['bound_steps_per_s']:.0f} steps/s "
-                  f"({plain['step_bytes'] / 1e6:.1f} MB a step at {plain['copy_bytes_per_s'] / 1e9:.1f} GB/s, a copy's "
-                  "reads and writes)")
+    plain = plain_decoding(warm[0], 256, max(args.rounds, 5))
+    bound_line = bound_text(plain)
     print(bound_line, flush=True)
     print("preparing llama.cpp", flush=True)
     made = servers(cache_dir(), out.parent, args.llama_draft_max, args.threads)
