@@ -27,26 +27,24 @@ class _EngineCollector:
 
     def collect(self):
         snap = self.snapshot()
-        for name, key, doc in (
-            ("specserve_num_requests_running", "running", "Requests being decoded (holding KV blocks)."),
-            ("specserve_num_requests_waiting", "waiting", "Requests queued for their first schedule."),
-            ("specserve_kv_cache_usage_perc", "kv_usage", "Fraction of KV pool blocks held (0..1)."),
+        G, C = GaugeMetricFamily, CounterMetricFamily
+        for family, name, key, doc in (
+            (G, "specserve_num_requests_running", "running", "Requests being decoded (holding KV blocks)."),
+            (G, "specserve_num_requests_waiting", "waiting", "Requests queued for their first schedule."),
+            (G, "specserve_kv_cache_usage_perc", "kv_usage", "Fraction of KV pool blocks held (0..1)."),
+            (C, "specserve_engine_restarts", "restarts", "Times the engine was restarted after its loop or process died."),
+            (C, "specserve_requests_failed", "failed", "Requests the engine failed alone (an error of theirs)."),
+            (C, "specserve_spec_num_drafts", "num_drafts", "Speculative steps (a tree proposed and verified)."),
+            (C, "specserve_spec_num_draft_tokens", "num_draft_tokens", "Draft tokens (tree nodes) proposed."),
+            (C, "specserve_spec_num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted."),
+            (C, "specserve_prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+            (C, "specserve_prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+            (G, "specserve_spec_mean_tokens_per_pass", "tokens_per_pass", "Tokens emitted per verifying target pass."),
+            (G, "specserve_spec_depth", "depth", "Speculation depth in use (0 = plain decode)."),
         ):
-            g = GaugeMetricFamily(name, doc)
-            g.add_metric([], snap[key])
-            yield g
-        for name, key, doc in (
-            ("specserve_engine_restarts", "restarts", "Times the engine was restarted after its loop or process died."),
-            ("specserve_requests_failed", "failed", "Requests the engine failed alone (an error of theirs)."),
-            ("specserve_spec_num_drafts", "num_drafts", "Speculative steps (a tree proposed and verified)."),
-            ("specserve_spec_num_draft_tokens", "num_draft_tokens", "Draft tokens (tree nodes) proposed."),
-            ("specserve_spec_num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted."),
-            ("specserve_prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
-            ("specserve_prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-        ):
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], snap[key])
-            yield c
+            m = family(name, doc)
+            m.add_metric([], snap[key])
+            yield m
         for name, key, doc in (   # with several engine cores (--engines N): each one's share
             ("specserve_engine_num_requests_running", "running", "Requests being decoded, by engine core."),
             ("specserve_engine_num_requests_waiting", "waiting", "Requests queued, by engine core."),
@@ -65,12 +63,6 @@ class _EngineCollector:
         for pos, count in enumerate(snap["accepted_per_position"]):
             c.add_metric([str(pos + 1)], count)
         yield c
-        g = GaugeMetricFamily("specserve_spec_mean_tokens_per_pass", "Tokens emitted per verifying target pass.")
-        g.add_metric([], snap["tokens_per_pass"])
-        yield g
-        g = GaugeMetricFamily("specserve_spec_depth", "Speculation depth in use (0 = plain decode).")
-        g.add_metric([], snap["depth"])
-        yield g
         g = GaugeMetricFamily("specserve_spec_adaptive", "1 while the adaptive controller plans the steps, 0 while "
                               "a static depth does.")
         g.add_metric([], int(snap["controller"] is not None))
