@@ -11,7 +11,9 @@ served the longest prefix of the request's prompt, unless it has `slack` more re
 flight than the least loaded one, and otherwise ranks every replica (Ray then takes the one
 with the shortest queue). Ray Serve replaces a replica that dies; its requests in flight end
 with an error event and [DONE]. With --max-replicas the replicas scale between the two
-counts on requests in flight per replica (Ray Serve's target_ongoing_requests).
+counts on requests in flight per replica (Ray Serve's target_ongoing_requests). SIGTERM
+drains at the Ingress (new requests 503, those in flight finish within the shutdown timeout)
+before the deployment is shut down.
 
 Ray is an optional extra: `pip install -e ".[ray]"`.
 """
@@ -151,42 +153,78 @@ class EngineReplica:
                 raise RuntimeError(f"replica unhealthy: /health {resp.status}")
 
 
+def _error(message: str, code: str) -> dict:
+    return {"error": {"message": message, "type": "service_unavailable", "param": None, "code": code}}
+
+
 class Ingress:
-    """The OpenAI routes at Ray Serve's HTTP proxy, each request to one EngineReplica."""
+    """The OpenAI routes at Ray Serve's HTTP proxy, each request to one EngineReplica. It counts
+    the responses it is sending, so that a shutdown can wait for them (`drain`)."""
 
     def __init__(self, engine):
         self.engine = engine
+        self.streams: set = set()   # the replica streams of the responses being sent
+        self.draining = False
+        self.cut = False   # the drain's time ran out: what is left ends with an error event
 
     async def __call__(self, request):
         from starlette.responses import JSONResponse, StreamingResponse
 
+        if self.draining:
+            return JSONResponse(_error("the server is shutting down; retry on another", "shutting_down"),
+                                status_code=503)
         path, body = request.url.path, await request.body()
+        root = request.scope.get("root_path", "")   # the application's route prefix
+        if root and path.startswith(root):
+            path = path[len(root):] or "/"
         stream = self.engine.options(stream=True).remote(path, body, request.method)
+        self.streams.add(stream)
         try:
             status, content_type, replica = await stream.__anext__()
         except Exception as e:   # the replica died before answering
-            return JSONResponse({"error": {"message": f"the replica serving this request failed: {e}; retry",
-                                           "type": "service_unavailable", "param": None,
-                                           "code": "replica_unavailable"}}, status_code=503)
+            self.streams.discard(stream)
+            return JSONResponse(_error(f"the replica serving this request failed: {e}; retry", "replica_unavailable"),
+                                status_code=503)
 
         async def chunks():
             try:
                 async for chunk in stream:
                     yield chunk
-            except Exception as e:   # the replica died mid-stream: the stream ends in an error event
-                error = {"error": {"message": f"the replica serving this request failed: {type(e).__name__}; "
-                                              "retry", "type": "service_unavailable", "param": None,
-                                   "code": "replica_unavailable"}}
+            except Exception as e:   # the replica died mid-stream, or the drain ran out of time
+                error = (_error("the server shut down before this request finished", "shutting_down") if self.cut
+                         else _error(f"the replica serving this request failed: {type(e).__name__}; retry",
+                                     "replica_unavailable"))
                 yield b"data: " + json.dumps(error, separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n"
+            finally:
+                self.streams.discard(stream)
 
         return StreamingResponse(chunks(), status_code=status, media_type=content_type,
                                  headers={"x-specserve-replica": str(replica)})
 
+    async def drain(self, timeout_s: float) -> int:
+        """Answer new requests 503 and wait up to `timeout_s` for the responses being sent; those
+        still running then are cancelled and end with an error event and [DONE]. Returns how many
+        were cancelled."""
+        import asyncio
+        import time
+
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self.streams)
+        self.cut = bool(left)
+        for stream in left:
+            stream.cancel()
+        while self.streams and time.monotonic() < deadline + 5.0:   # their error events go out
+            await asyncio.sleep(0.05)
+        return len(left)
+
 
 def serve_on_ray(cfg, replicas: int, max_replicas: int | None = None) -> None:
     """`specserve serve --ray`: deploy on the Ray cluster of RAY_ADDRESS (else a local one)
-    and run until SIGTERM/SIGINT, then shut the deployment down (replicas finish what they
-    serve within Ray Serve's graceful shutdown)."""
+    and run until SIGTERM/SIGINT; then drain (new requests 503, those in flight finish within
+    server.shutdown_timeout_s, the rest end with an error event) and shut the deployment down."""
     import os
     import signal
     import threading
@@ -198,27 +236,36 @@ def serve_on_ray(cfg, replicas: int, max_replicas: int | None = None) -> None:
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": cfg.server.host, "port": cfg.server.port})
     gpus = 1.0 if cfg.device == "cuda" or (cfg.device == "auto" and ray.cluster_resources().get("GPU")) else 0.0
-    serve.run(build_app(msgspec.to_builtins(cfg), replicas, max_replicas, gpus_per_replica=gpus),
-              name="specserve", route_prefix="/")
+    ingress = serve.run(build_app(msgspec.to_builtins(cfg), replicas, max_replicas, gpus_per_replica=gpus),
+                        name="specserve", route_prefix="/")
     logger.info("serving on Ray: http://%s:%d, %d replicas%s", cfg.server.host, cfg.server.port, replicas,
                 f" (up to {max_replicas})" if max_replicas else "")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    logger.info("shutting down: waiting up to %g s for the requests in flight", cfg.server.shutdown_timeout_s)
+    try:
+        cut = ingress.drain.remote(cfg.server.shutdown_timeout_s).result(timeout_s=cfg.server.shutdown_timeout_s + 30)
+        if cut:
+            logger.warning("%d requests were still running at the end of the drain; they ended with an error", cut)
+    except Exception as e:   # the ingress is gone: nothing left to wait for
+        logger.warning("could not drain the ingress: %s", e)
     serve.shutdown()
     ray.shutdown()
 
 
 def build_app(config_data: dict, replicas: int, max_replicas: int | None = None, cpus_per_replica: float = 1.0,
-              gpus_per_replica: float = 0.0):
-    """The Ray Serve application: an Ingress over `replicas` EngineReplicas."""
+              gpus_per_replica: float = 0.0, autoscaling: dict | None = None):
+    """The Ray Serve application: an Ingress over `replicas` EngineReplicas, scaling up to
+    `max_replicas` on requests in flight per replica (8 each; `autoscaling` sets any other
+    field of Ray Serve's AutoscalingConfig)."""
     from ray import serve
 
     global PrefixAffinityRouter
     PrefixAffinityRouter = PrefixAffinityRouter or _make_router_class()
     scaling = ({"autoscaling_config": {"min_replicas": replicas, "max_replicas": max_replicas,
-                                       "target_ongoing_requests": 8}}
+                                       "target_ongoing_requests": 8, **(autoscaling or {})}}
                if max_replicas and max_replicas > replicas else {"num_replicas": replicas})
     engine = serve.deployment(
         EngineReplica, name="specserve-engine", max_ongoing_requests=256, health_check_period_s=2.0,

@@ -150,3 +150,120 @@ def test_a_killed_replica_ends_its_streams_and_the_service_answers(ray_base):
             return False
 
     assert wait_until(answers, timeout=60, interval=0.5)
+
+
+def replica_count(app: str) -> int:
+    from ray import serve
+
+    status = serve.status().applications[app].deployments["specserve-engine"]
+    return status.replica_states.get("RUNNING", 0)
+
+
+def test_replicas_scale_up_with_requests_in_flight(ray_base, cfg):
+    """An application of one replica that may grow to two, at two requests in flight per
+    replica: twelve clients streaming back to back make Ray Serve start the second, which then
+    serves."""
+    from ray import serve
+
+    from specserve.server.ray_serve import build_app
+
+    serve.run(build_app(msgspec.to_builtins(cfg), replicas=1, max_replicas=2,
+                        autoscaling={"target_ongoing_requests": 2, "upscale_delay_s": 0.5, "downscale_delay_s": 600,
+                                     "metrics_interval_s": 0.5, "look_back_period_s": 2.0}),
+              name="scaled", route_prefix="/scaled")
+    base = ray_base + "/scaled"
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            stream(base, PROMPTS[i], max_tokens=200, ignore_eos=True)
+
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(12)]
+    try:
+        assert replica_count("scaled") == 1
+        for t in clients:
+            t.start()
+        assert wait_until(lambda: replica_count("scaled") == 2, timeout=90, interval=0.5), serve.status()
+        stop.set()
+        for t in clients:
+            t.join(120)
+        served: set[str] = set()
+
+        def both_serve() -> bool:   # a burst at a time, until the handle routes to the new one too
+            served.update(replica for replica, _ in concurrently(lambda i: stream(base, PROMPTS[i], max_tokens=8), 8))
+            return len(served) == 2
+
+        assert wait_until(both_serve, timeout=60, interval=0.5), "the added replica should serve"
+    finally:
+        stop.set()
+        serve.delete("scaled")
+
+
+def test_sigterm_drains_the_streams_in_flight_and_exits(tmp_path, server_target):
+    """`specserve serve --ray` under SIGTERM: new requests get 503 while the running streams
+    finish whole, then the process exits 0. Its own local Ray (RAY_ADDRESS=local)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-c", "import sys; from specserve.cli import main; sys.exit(main(sys.argv[1:]))",
+           "serve", "--ray", "--replicas", "1", "--target", str(server_target), "--device", "cpu",
+           "--dtype", "float32", "--num-blocks", "64", "--port", str(port), "--shutdown-timeout", "60"]
+    env = dict(os.environ, RAY_ADDRESS="local")
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until(lambda: any("serving on Ray" in line for line in log), timeout=120), "".join(log)
+        results: dict[int, tuple[float, list[str]]] = {}
+        started = threading.Semaphore(0)
+
+        def client(i: int) -> None:
+            body = {"prompt": PROMPTS[i], "max_tokens": 300, "temperature": 0, "stream": True, "ignore_eos": True}
+            req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            events = []
+            with urllib.request.urlopen(req, timeout=120) as r:
+                for line in r:
+                    if line.startswith(b"data: "):
+                        events.append(line[6:].decode().strip())
+                        if len(events) == 1:
+                            started.release()
+            results[i] = (time.monotonic(), events)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for _ in threads:
+            assert started.acquire(timeout=60)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        refusals: list[tuple[int, str]] = []
+
+        def refused() -> bool:
+            try:
+                stream(base, "x", max_tokens=2)
+                return False
+            except urllib.error.HTTPError as e:
+                refusals.append((e.code, json.loads(e.read())["error"]["code"]))
+                return True
+
+        assert wait_until(refused, timeout=20, interval=0.1), "".join(log)
+        assert refusals[-1] == (503, "shutting_down")
+        for t in threads:
+            t.join(120)
+        assert sorted(results) == [0, 1, 2]
+        assert any(ended > signalled for ended, _ in results.values()), "no stream was in flight at SIGTERM"
+        for _, events in results.values():
+            assert events[-1] == "[DONE]" and "error" not in events[-2]
+            assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(60) == 0, "".join(log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
