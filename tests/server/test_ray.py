@@ -1,7 +1,8 @@
 """specserve on Ray Serve (server/ray_serve.py), on a local Ray cluster on this CPU: two replicas
 of one pair answer 32 concurrent streams correctly and both serve; the SSE bytes are those of
 a plain specserve server; a replica killed mid-run ends its streams with an error event and
-[DONE] while the service keeps answering. Skipped only when Ray is not installed
+[DONE] while the service keeps answering; replicas scale up on requests in flight; SIGTERM
+drains the streams in flight before exiting. Skipped only when Ray is not installed
 (`pip install -e ".[ray]"`; CI installs it)."""
 
 from __future__ import annotations
@@ -59,6 +60,21 @@ def stream(base: str, prompt: str, max_tokens: int = 16, **extra) -> tuple[str, 
     with urllib.request.urlopen(req, timeout=120) as r:
         return r.headers.get("x-specserve-replica"), [
             line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+
+
+def stream_announcing(base: str, prompt: str, started: threading.Semaphore, **extra) -> list[str]:
+    """`stream`'s data lines, read as they come; `started` is released at the first one."""
+    body = {"prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True, **extra}
+    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            if line.startswith(b"data: "):
+                events.append(line[6:].decode().strip())
+                if len(events) == 1:
+                    started.release()
+    return events
 
 
 def text_of(events: list[str]) -> str:
@@ -199,6 +215,36 @@ def test_replicas_scale_up_with_requests_in_flight(ray_base, cfg):
         serve.delete("scaled")
 
 
+def test_a_drain_that_runs_out_of_time_ends_the_streams_with_an_error(ray_base, cfg):
+    """Ingress.drain with too little time: the streams still running end with a shutting_down
+    error event and [DONE], and it says how many it cut."""
+    from ray import serve
+
+    from specserve.server.ray_serve import build_app
+
+    ingress = serve.run(build_app(msgspec.to_builtins(cfg), replicas=1), name="drained", route_prefix="/drained")
+    base = ray_base + "/drained"
+    results: dict[int, list[str]] = {}
+    started = threading.Semaphore(0)
+
+    def client(i: int) -> None:
+        results[i] = stream_announcing(base, PROMPTS[i], started, temperature=0.7)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for _ in threads:
+            assert started.acquire(timeout=60)
+        assert ingress.drain.remote(0.0).result(timeout_s=60) == 2
+        for t in threads:
+            t.join(60)
+        for events in results.values():
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down"
+    finally:
+        serve.delete("drained")
+
+
 def test_sigterm_drains_the_streams_in_flight_and_exits(tmp_path, server_target):
     """`specserve serve --ray` under SIGTERM: new requests get 503 while the running streams
     finish whole, then the process exits 0. Its own local Ray (RAY_ADDRESS=local)."""
@@ -224,16 +270,7 @@ def test_sigterm_drains_the_streams_in_flight_and_exits(tmp_path, server_target)
         started = threading.Semaphore(0)
 
         def client(i: int) -> None:
-            body = {"prompt": PROMPTS[i], "max_tokens": 300, "temperature": 0, "stream": True, "ignore_eos": True}
-            req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            events = []
-            with urllib.request.urlopen(req, timeout=120) as r:
-                for line in r:
-                    if line.startswith(b"data: "):
-                        events.append(line[6:].decode().strip())
-                        if len(events) == 1:
-                            started.release()
+            events = stream_announcing(base, PROMPTS[i], started, max_tokens=300)
             results[i] = (time.monotonic(), events)
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
