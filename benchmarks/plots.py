@@ -1,7 +1,7 @@
 """Plots from loadgen result JSONs: latency and throughput against concurrency (one line per
 setting, the result's ``config.label``), acceptance per position, controller depth over time.
 
-    python -m benchmarks.plots results/*.json --out-dir plots/
+    python -m benchmarks.plots benchmarks/out/*.json --out-dir benchmarks/out/plots/
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def make_all(results, out_dir) -> list[Path]:
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.plots")
     p.add_argument("results", nargs="+")
-    p.add_argument("--out-dir", default="plots")
+    p.add_argument("--out-dir", default="benchmarks/out/plots")
     args = p.parse_args(argv)
     for path in make_all(load_results(args.results), args.out_dir):
         print(path)

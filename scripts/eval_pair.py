@@ -1,6 +1,6 @@
 """Figures of the embedded draft/target pair, for benchmarks/RESULTS.md.
 
-    python scripts/eval_pair.py                       # writes benchmarks/results_pair.md
+    python scripts/eval_pair.py                       # writes benchmarks/out/results_pair.md
 
 Measures, on the held-out files recorded in specserve/assets/corpus_manifest.json
 (re-read from this interpreter's stdlib and checked against their sha256):
@@ -225,7 +225,7 @@ def commit() -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--assets", type=Path, default=ASSETS)
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results_pair.md")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out" / "results_pair.md")
     p.add_argument("--window", type=int, default=512, help="tokens per held-out window")
     p.add_argument("--max-windows", type=int, default=100_000)
     p.add_argument("--max-chat", type=int, default=100_000)
