@@ -81,7 +81,7 @@ class CpuThreads:
         return before
 
 
-_COMPILED_MAX_ROWS = 256   # new rows of one sequence the compiled forward takes (model/compiled.py)
+_COMPILED_MAX_MASK = 1 << 25   # elements of the compiled forward's visibility mask (model/compiled.py)
 
 
 class ModelRunner:
@@ -207,15 +207,17 @@ class ModelRunner:
     def _compiled_forward(self, inp: ForwardInput) -> torch.Tensor | None:
         """The hidden rows of `inp`, in its order, from the compiled forward; None (run it eagerly)
         when padding every sequence to the most rows would more than double the rows (a prompt
-        chunk beside decode rows), or for a long prompt chunk (whose [rows, keys] scores the
-        eager path's flash attention never holds whole)."""
+        chunk beside decode rows), or when its [B, q * heads per KV head, keys] visibility mask
+        would pass 32 MiB (long chunks at long contexts, which the eager path's attention takes
+        block by block)."""
         q_lens, seq_lens = inp.query_lens, inp.seq_lens
         B, q, T = len(q_lens), max(q_lens), inp.num_rows
-        if B * q > 2 * T + 8 or q > _COMPILED_MAX_ROWS:
-            return None
         bs = self.block_size
         ctx = [s - n for s, n in zip(seq_lens, q_lens)]
         W = max(1, -(-max(ctx) // bs))
+        group = self.args.num_heads // self.args.num_kv_heads
+        if B * q > 2 * T + 8 or B * q * group * (W * bs + q) > _COMPILED_MAX_MASK:
+            return None
         uniform = B * q == T
         ids, pos, slots = inp.input_ids, inp.positions, inp.slot_mapping
         if not uniform:   # each sequence padded to q rows: token 0 at position 0, written nowhere

@@ -5,8 +5,8 @@ microseconds, around a few dozen matrix products: the host work, not the arithme
 weights' bytes, sets its speed. `dense_forward` is the whole forward (every layer, attention
 included) written as one traceable function of plain tensors; torch.export traces it with the
 batch, the rows per sequence, the blocks per sequence and the pool size symbolic, and
-AOTInductor compiles it into C++ (matmuls through the BLAS, the norms, RoPE, attention
-masking and softmax as fused loops) behind one call. Loading a package takes milliseconds;
+AOTInductor compiles it into C++ (matmuls through the BLAS, attention through torch's CPU
+flash attention, the norms and RoPE as fused loops) behind one call. Loading a package takes milliseconds;
 building one takes a minute or two, so it is built once per model, torch, CPU and version of
 this code, in a process of its own at low priority, into the user's cache directory
 (`specserve calibrate` builds it ahead), and the engine takes it up when it appears.
@@ -64,8 +64,8 @@ def dense_forward(
     cos, sin = rope_full_tables(model.rope_cos[positions.reshape(-1)], model.rope_sin[positions.reshape(-1)], x.dtype)
     in_context = torch.arange(S, device=x.device)[None, :] < ctx_lens[:, None]  # [B, S]
     visible = torch.cat([in_context[:, None, :].expand(B, q, S), mask], dim=2)  # [B, q, S + q]
-    bias = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill(~visible, float("-inf"))
-    bias = bias[:, None, :, None, :]  # [B, 1, q, 1, S + q]: every KV head, every query head of a group
+    # [B, 1, q * G, S + q]: the query rows of a KV head's group, row t's G heads side by side
+    visible = visible[:, :, None, :].expand(B, q, G, S + q).reshape(B, 1, q * G, S + q)
     keys, values = [], []
     for layer_index, layer in enumerate(model.layers):
         attn, ffn = layer.attention, layer.feed_forward
@@ -78,13 +78,12 @@ def dense_forward(
         qh, kh = qk[:, :Hq], qk[:, Hq:]
         keys.append(kh)
         values.append(vh)
-        # [B, Hkv, D, S + q] keys and [B, Hkv, S + q, D] values: the context, then the new rows
+        # [B, S + q, Hkv, D] keys and values: the context, then the new rows
         k_all = torch.cat([k_pool[layer_index][tables].reshape(B, S, Hkv, D), kh.reshape(B, q, Hkv, D)], dim=1)
         v_all = torch.cat([v_pool[layer_index][tables].reshape(B, S, Hkv, D), vh.reshape(B, q, Hkv, D)], dim=1)
         qg = qh.reshape(B, q, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, q * G, D)
-        scores = torch.matmul(qg, k_all.permute(0, 2, 3, 1)) * attn.scale  # [B, Hkv, q * G, S + q]
-        probs = torch.softmax(scores.reshape(B, Hkv, q, G, -1) + bias, dim=-1).reshape(B, Hkv, q * G, -1)
-        out = torch.matmul(probs, v_all.transpose(1, 2))  # [B, Hkv, q * G, D]
+        out = F.scaled_dot_product_attention(qg, k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=visible,
+                                             scale=attn.scale)  # [B, Hkv, q * G, D]
         out = out.reshape(B, Hkv, q, G, D).permute(0, 2, 1, 3, 4).reshape(B * q, Hq * D)
         h = x + F.linear(out, attn.wo.weight)
         gate, up = F.linear(layer.ffn_norm.forward(h), ffn.w13.weight).chunk(2, dim=-1)

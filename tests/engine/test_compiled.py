@@ -108,6 +108,20 @@ def test_padding_past_the_bound_runs_eagerly(package):
     assert fast.forward(inp).shape[0] == 3
 
 
+def test_a_mask_past_its_bound_runs_eagerly(package, monkeypatch):
+    """A chunk whose visibility mask would pass _COMPILED_MAX_MASK elements runs eagerly, with
+    the eager logits."""
+    from specserve import runner as runner_mod
+
+    eager, fast = runners(*package)
+    inp = layout("prompt", random.Random(0))
+    monkeypatch.setattr(runner_mod, "_COMPILED_MAX_MASK", 11 * 11)   # 11 rows, more than one head a group
+    assert fast._compiled_forward(inp) is None
+    torch.testing.assert_close(fast.forward(inp), eager.forward(inp))
+    monkeypatch.setattr(runner_mod, "_COMPILED_MAX_MASK", 1 << 25)
+    assert fast._compiled_forward(inp) is not None
+
+
 PROMPTS = [[5, 9, 23, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 3], [100] * 3]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
