@@ -221,6 +221,20 @@ def copy_slots(
         flat[dst_slots] = flat[src_slots].clone()
 
 
+def greedy_walk(tokens: list[int], parents: list[int], argmax: list[int]) -> tuple[list[int], int]:
+    """Greedy tree verification on host lists: from the root, accept the first child whose token
+    is the target's argmax at its parent's row, and go on from it until no child is; the bonus
+    is the argmax at the last accepted row. Row 0 is the root's, row 1 + k node k's; parents
+    come before children (BFS order), so one scan in index order visits each node's children in
+    order and an accepted node's children after it. Returns (accepted nodes, bonus)."""
+    cur, row, path = -1, 0, []
+    for c, (x, parent) in enumerate(zip(tokens, parents)):
+        if parent == cur and x == argmax[row]:
+            path.append(c)
+            cur, row = c, c + 1
+    return path, argmax[row]
+
+
 def tree_accept_reference(
     target_probs: torch.Tensor,  # [B, N+1, V] float32, row 0 = root, row 1+n = after node n
     target_argmax: torch.Tensor,  # [B, N+1] int64
@@ -235,8 +249,8 @@ def tree_accept_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tree verification, one sequence at a time; see kernels/tree_accept.py for the maths.
 
-    Greedy sequences walk host lists (the argmax is all they read). For sampled ones the
-    residual p is kept unnormalised with its mass m = sum(p): the normalised test
+    Greedy sequences walk host lists (`greedy_walk`: the argmax is all they read). For sampled
+    ones the residual p is kept unnormalised with its mass m = sum(p): the normalised test
     u < p(x) / (m q(x)) is evaluated as u * q(x) * m < p(x), and the bonus is the first
     token whose running sum of p exceeds u * m. The Triton kernel does exactly the same.
     """
@@ -248,20 +262,20 @@ def tree_accept_reference(
     bonus = [0] * batch
     residuals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # sampled rows: (p, mass) of the bonus
     for b in range(batch):
-        cur, row, path = -1, 0, []
-        p = mass = None
-        if not greedy_rows[b]:
-            p = target_probs[b, 0].float()
-            mass = p.sum()
+        if greedy_rows[b]:
+            path, bonus[b] = greedy_walk(toks[b][:sizes[b]], pars[b][:sizes[b]], argmax[b])
+            paths.append(path)
+            continue
+        cur, path = -1, []
+        p = target_probs[b, 0].float()
+        mass = p.sum()
         # Parents come before children, so one scan in index order visits the children of
         # the current node in order, and the children of an accepted node after it.
         for c in range(sizes[b]):
             if pars[b][c] != cur:
                 continue
             x = toks[b][c]
-            if greedy_rows[b]:
-                ok = x == argmax[b][row]
-            elif bool(is_sampled[b, c]):
+            if bool(is_sampled[b, c]):
                 q = draft_probs[b, c].float()
                 ok = bool(uniforms[b, c] * q[x] * mass < p[x])
                 if not ok:
@@ -277,14 +291,10 @@ def tree_accept_reference(
                     p[x] = 0.0
             if ok:
                 path.append(c)
-                cur, row = c, c + 1
-                if not greedy_rows[b]:
-                    p = target_probs[b, row].float()
-                    mass = p.sum()
-        if greedy_rows[b]:
-            bonus[b] = argmax[b][row]
-        else:
-            residuals[b] = (p, mass)
+                cur = c
+                p = target_probs[b, c + 1].float()
+                mass = p.sum()
+        residuals[b] = (p, mass)
         paths.append(path)
     if residuals:   # every sampled row's bonus in one inverse-CDF draw
         rows = list(residuals)

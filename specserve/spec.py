@@ -27,6 +27,7 @@ from specserve.controller import AdaptiveController, ControllerConfig, Plan
 from specserve.drafts.base import TreeShape
 from specserve.errors import InvalidRequestError
 from specserve.kernels import ops
+from specserve.kernels.reference import greedy_walk
 from specserve.request import Request
 from specserve.runner import ForwardInput, slots_for
 from specserve.sampling import SamplingTensors, mask_tokens, penalize, target_probs, token_logprobs
@@ -247,19 +248,22 @@ class Speculator:
                                                                    else req.eos_token_ids)))
         mask_tokens(logits, masked, banned)
         self._penalize(logits, verified)
+        argmax = logits.argmax(dim=-1)
+        if all(r.params.is_greedy for r in requests):
+            # Greedy rows read only the target's argmax: each tree is walked on host lists
+            # (tree_accept's greedy rule), with none of the tensors below.
+            rows = argmax.tolist()
+            walks = [greedy_walk(v.tree.tokens, v.tree.parents, rows[v.first_row:v.first_row + 1 + v.tree.num_nodes])
+                     for v in verified]
+            accepted = [path for path, _ in walks]
+            new_tokens = self._commit(verified, accepted, [len(path) for path in accepted], [b for _, b in walks])
+            self._logprobs(logits, verified, accepted, new_tokens)
+            return new_tokens
         # Row j of sequence i in a [B, N + 1] layout; a shorter tree's padding repeats its last row.
         index = None
         if max_nodes or len(logits) != num_seqs:
             index = torch.tensor([v.first_row + min(j, v.tree.num_nodes) for v in verified
                                   for j in range(max_nodes + 1)], device=dev)
-        argmax = logits.argmax(dim=-1)
-        if index is None and not max_nodes and all(r.params.is_greedy for r in requests):
-            # Greedy rows with no nodes (plain decoding): tree_accept accepts nothing and its
-            # bonus is the argmax, which needs none of the tensors below.
-            bonus = argmax.tolist()
-            new_tokens = self._commit(verified, [[]] * num_seqs, [0] * num_seqs, bonus)
-            self._logprobs(logits, verified, [[]] * num_seqs, new_tokens)
-            return new_tokens
         target_argmax = (argmax if index is None else argmax[index]).view(num_seqs, max_nodes + 1)
         tensors = SamplingTensors.from_params([r.params for r in requests], dev)
         vocab = 1 if tensors.all_greedy else logits.shape[1]   # greedy reads only the argmax
