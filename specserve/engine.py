@@ -174,7 +174,7 @@ class LLMEngine:
             if runner is None or paths[name] is None or not compiled.supported(runner.model):
                 continue
             package = compiled.package_path(paths[name], runner.model, block_size)
-            forward = compiled.load(package) if package.is_file() else None
+            forward = compiled.load(package, runner.model) if package.is_file() else None
             if forward is not None:
                 runner.use_compiled(forward)
                 logger.info("%s: compiled forward from %s", name, package)
@@ -210,7 +210,7 @@ class LLMEngine:
             elif proc is not None and proc.returncode != 0:
                 logger.warning("%s: building the compiled forward failed; staying eager (see %s)",
                                name, package.with_suffix(".log"))
-            elif (forward := compiled.load(package)) is not None:   # load() warns when it cannot
+            elif (forward := compiled.load(package, runner.model)) is not None:   # load() warns when it cannot
                 runner.use_compiled(forward)
                 logger.info("%s: now on its compiled forward (%s)", name, package)
                 taken = True

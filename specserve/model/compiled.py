@@ -1,15 +1,19 @@
-"""The CPU forward compiled ahead of time: one shared library per model, built once and cached.
+"""The CPU forward compiled ahead of time: one package per model, built once and cached.
 
 On the CPU a small model's eager step is hundreds of dispatched torch ops, each a few
 microseconds, around a few dozen matrix products: the host work, not the arithmetic or the
 weights' bytes, sets its speed. `dense_forward` is the whole forward (every layer, attention
 included) written as one traceable function of plain tensors; torch.export traces it with the
 batch, the rows per sequence, the blocks per sequence and the pool size symbolic, and
-AOTInductor compiles it into C++ (matmuls through the BLAS, attention through torch's CPU
-flash attention, the norms and RoPE as fused loops) behind one call. Loading a package takes milliseconds;
-building one takes a minute or two, so it is built once per model, torch, CPU and version of
-this code, in a process of its own at low priority, into the user's cache directory
-(`specserve calibrate` builds it ahead), and the engine takes it up when it appears.
+AOTInductor compiles it into C++ (matmuls through the BLAS, the norms and RoPE as fused loops)
+behind one call. A package holds two programs that differ only in their attention: "decode",
+for at most DECODE_ROWS rows a sequence (a decode step, a draft level), computes it as fused
+sums that read the context's keys and values where the pool holds them; "model", for any rows,
+gathers them and calls torch's CPU flash attention. Neither holds the weights: the loader
+hands both the model's own tensors. Loading takes milliseconds; building takes a minute or
+three, so a package is built once per model, torch, CPU and version of this code, in a process
+of its own at low priority, into the user's cache directory (`specserve calibrate` builds it
+ahead), and the engine takes it up when it appears.
 
 Layout of a call. A forward of B sequences is laid out as [B, q] rows, q the largest number of
 new rows of any sequence; a shorter sequence is padded with rows that see only themselves and
@@ -40,7 +44,8 @@ from specserve.model.llama import CausalLM, apply_rope, rope_full_tables
 
 logger = logging.getLogger("specserve")
 
-FORMAT = 1   # bump when the call's signature or layout changes
+FORMAT = 2   # bump when the call's signature or layout changes
+DECODE_ROWS = 2   # forwards of at most this many rows a sequence take the "decode" program
 _SOURCES = ("compiled.py", "llama.py")   # the code a package is compiled from
 _STALE_LOCK_S = 1800.0   # a build lock older than this belongs to a build that died
 
@@ -54,18 +59,17 @@ def dense_forward(
     tables: torch.Tensor,  # [B, W] int64: block ids of each sequence's context (any id past it)
     ctx_lens: torch.Tensor,  # [B] int64: cached keys each sequence's new rows see
     mask: torch.Tensor,  # [B, q, q] bool: new row t sees new row j
+    direct: bool = False,  # attention as fused sums (few rows a sequence), else flash attention
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # hidden [B*q, H]; new K, V [L, B*q, Hkv, D]
     args = model.args
     B, q = input_ids.shape
     Hq, Hkv, D = args.num_heads, args.num_kv_heads, args.head_dim
-    G = Hq // Hkv
     S = tables.shape[1] * k_pool.shape[2]   # context keys gathered per sequence
     x = model.tok_embeddings.weight[input_ids.reshape(-1)]  # [T, H]
     cos, sin = rope_full_tables(model.rope_cos[positions.reshape(-1)], model.rope_sin[positions.reshape(-1)], x.dtype)
     in_context = torch.arange(S, device=x.device)[None, :] < ctx_lens[:, None]  # [B, S]
     visible = torch.cat([in_context[:, None, :].expand(B, q, S), mask], dim=2)  # [B, q, S + q]
-    # [B, 1, q * G, S + q]: the query rows of a KV head's group, row t's G heads side by side
-    visible = visible[:, :, None, :].expand(B, q, G, S + q).reshape(B, 1, q * G, S + q)
+    attention = _direct_attention if direct else _flash_attention
     keys, values = [], []
     for layer_index, layer in enumerate(model.layers):
         attn, ffn = layer.attention, layer.feed_forward
@@ -78,26 +82,54 @@ def dense_forward(
         qh, kh = qk[:, :Hq], qk[:, Hq:]
         keys.append(kh)
         values.append(vh)
-        # [B, S + q, Hkv, D] keys and values: the context, then the new rows
-        k_all = torch.cat([k_pool[layer_index][tables].reshape(B, S, Hkv, D), kh.reshape(B, q, Hkv, D)], dim=1)
-        v_all = torch.cat([v_pool[layer_index][tables].reshape(B, S, Hkv, D), vh.reshape(B, q, Hkv, D)], dim=1)
-        qg = qh.reshape(B, q, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, q * G, D)
-        out = F.scaled_dot_product_attention(qg, k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=visible,
-                                             scale=attn.scale)  # [B, Hkv, q * G, D]
-        out = out.reshape(B, Hkv, q, G, D).permute(0, 2, 1, 3, 4).reshape(B * q, Hq * D)
-        h = x + F.linear(out, attn.wo.weight)
+        out = attention(qh.reshape(B, q, Hkv, Hq // Hkv, D), kh.reshape(B, q, Hkv, D), vh.reshape(B, q, Hkv, D),
+                        k_pool[layer_index][tables].reshape(B, S, Hkv, D),
+                        v_pool[layer_index][tables].reshape(B, S, Hkv, D), visible, attn.scale)
+        h = x + F.linear(out.reshape(B * q, Hq * D), attn.wo.weight)
         gate, up = F.linear(layer.ffn_norm.forward(h), ffn.w13.weight).chunk(2, dim=-1)
         x = h + F.linear(F.silu(gate) * up, ffn.w2.weight)
     return model.norm.forward(x), torch.stack(keys), torch.stack(values)
 
 
+def _flash_attention(qh, kh, vh, k_ctx, v_ctx, visible, scale):
+    """softmax(q k^T * scale, over the visible keys) v by torch's CPU flash attention: queries
+    qh [B, q, Hkv, G, D] (G query heads a KV head), the new rows' keys and values kh, vh
+    [B, q, Hkv, D] after the context's k_ctx, v_ctx [B, S, Hkv, D]; visible [B, q, S + q].
+    Returns [B, q, Hkv, G, D]. A KV head's G query heads are G rows of one attention."""
+    B, q, Hkv, G, D = qh.shape
+    S = k_ctx.shape[1]
+    k_all = torch.cat([k_ctx, kh], dim=1).transpose(1, 2)   # [B, Hkv, S + q, D]
+    v_all = torch.cat([v_ctx, vh], dim=1).transpose(1, 2)
+    qg = qh.permute(0, 2, 1, 3, 4).reshape(B, Hkv, q * G, D)
+    rows_visible = visible[:, :, None, :].expand(B, q, G, S + q).reshape(B, 1, q * G, S + q)
+    out = F.scaled_dot_product_attention(qg, k_all, v_all, attn_mask=rows_visible, scale=scale)
+    return out.reshape(B, Hkv, q, G, D).permute(0, 2, 1, 3, 4)
+
+
+def _direct_attention(qh, kh, vh, k_ctx, v_ctx, visible, scale):
+    """The same attention written as sums of products, which the compiler fuses into loops that
+    read the context's keys and values where the pool holds them, with no gathered copy and no
+    call into a library: for a few rows a sequence (decode, draft levels) that is most of the
+    attention's cost. Its work grows as rows x keys without a BLAS, so longer chunks take
+    _flash_attention."""
+    B, q, Hkv, G, D = qh.shape
+    S = k_ctx.shape[1]
+    q6 = qh[:, :, None]   # [B, q, 1, Hkv, G, D]
+    scores = torch.cat([(q6 * k_ctx[:, None, :, :, None, :]).sum(-1),
+                        (q6 * kh[:, None, :, :, None, :]).sum(-1)], dim=2) * scale   # [B, q, S + q, Hkv, G]
+    scores = scores.masked_fill(~visible[:, :, :, None, None], float("-inf"))
+    p = torch.softmax(scores, dim=2)[..., None]
+    return (p[:, :, :S] * v_ctx[:, None, :, :, None, :]).sum(2) + (p[:, :, S:] * vh[:, None, :, :, None, :]).sum(2)
+
+
 class _Traced(torch.nn.Module):
-    def __init__(self, model: CausalLM):
+    def __init__(self, model: CausalLM, direct: bool = False):
         super().__init__()
         self.model = model
+        self.direct = direct
 
     def forward(self, input_ids, positions, k_pool, v_pool, tables, ctx_lens, mask):
-        return dense_forward(self.model, input_ids, positions, k_pool, v_pool, tables, ctx_lens, mask)
+        return dense_forward(self.model, input_ids, positions, k_pool, v_pool, tables, ctx_lens, mask, self.direct)
 
 
 def supported(model: CausalLM) -> bool:
@@ -107,10 +139,10 @@ def supported(model: CausalLM) -> bool:
             and hasattr(first.attention, "wqkv") and hasattr(first.feed_forward, "w13"))
 
 
-def example_inputs(model: CausalLM, block_size: int) -> tuple[torch.Tensor, ...]:
+def example_inputs(model: CausalLM, block_size: int, q: int = 3) -> tuple[torch.Tensor, ...]:
     """Inputs to trace with: sizes distinct from each other, so no two symbolic sizes merge."""
     args = model.args
-    B, q, W, NB = 2, 3, 5, 17
+    B, W, NB = 5 - q, 5, 17
     pool = (args.num_layers, NB, block_size, args.num_kv_heads, args.head_dim)
     return (torch.zeros(B, q, dtype=torch.int64), torch.arange(q).repeat(B, 1) + 40,
             torch.zeros(pool), torch.zeros(pool), torch.arange(B * W).reshape(B, W) % NB,
@@ -119,17 +151,27 @@ def example_inputs(model: CausalLM, block_size: int) -> tuple[torch.Tensor, ...]
 
 def build(model: CausalLM, block_size: int, out: Path) -> Path:
     """Export and compile `dense_forward` for `model` into the package `out` (written whole or
-    not at all)."""
+    not at all): a "model" program for any rows, with flash attention, and a "decode" program
+    for at most DECODE_ROWS rows a sequence, with direct attention. Neither holds the weights:
+    the loader hands them the model's own tensors (`load`)."""
+    from torch._inductor import aot_compile
+    from torch._inductor.package import package_aoti
     from torch.export import Dim, export
 
-    B, q = Dim("batch", min=1, max=1 << 14), Dim("rows", min=1, max=1 << 14)
-    W, NB = Dim("blocks", min=1, max=1 << 20), Dim("pool_blocks", min=1, max=1 << 24)
-    shapes = ({0: B, 1: q}, {0: B, 1: q}, {1: NB}, {1: NB}, {0: B, 1: W}, {0: B}, {0: B, 1: q, 2: q})
-    with torch.inference_mode():
-        program = export(_Traced(model).eval(), example_inputs(model, block_size), dynamic_shapes=shapes)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
-    torch._inductor.aoti_compile_and_package(program, package_path=str(tmp))
+    options = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False}
+    files = {}
+    for name, max_rows in (("model", 1 << 14), ("decode", DECODE_ROWS)):
+        B, q = Dim("batch", min=1, max=1 << 14), Dim("rows", min=1, max=max_rows)
+        W, NB = Dim("blocks", min=1, max=1 << 20), Dim("pool_blocks", min=1, max=1 << 24)
+        shapes = ({0: B, 1: q}, {0: B, 1: q}, {1: NB}, {1: NB}, {0: B, 1: W}, {0: B}, {0: B, 1: q, 2: q})
+        with torch.inference_mode():
+            program = export(_Traced(model, direct=name == "decode").eval(),
+                             example_inputs(model, block_size, min(3, max_rows)), dynamic_shapes=shapes)
+        args, kwargs = program.example_inputs
+        files[name] = aot_compile(program.module(check_guards=False), args, kwargs, options=options)
+    package_aoti(str(tmp), files)
     tmp.replace(out)
     return out
 
@@ -182,22 +224,36 @@ def package_path(checkpoint: str | os.PathLike, model: CausalLM, block_size: int
 
 
 class CompiledForward:
-    """dense_forward's signature, run by the package's C++ runner on the flat list of tensors.
-    The runner is made directly: torch's Python wrapper (aoti_load_package) imports the
-    compiler stack (seconds at every start) and parses the package's input and output tree
-    specs from JSON at every call (a visible share of a decode step)."""
+    """dense_forward's signature, run by the package's C++ runners on the flat list of tensors:
+    the "decode" program for at most DECODE_ROWS rows a sequence, else the "model" one. Both
+    read `model`'s own parameters and buffers (no copy). The runners are made directly: torch's
+    Python wrapper (aoti_load_package) imports the compiler stack (seconds at every start) and
+    parses the package's input and output tree specs from JSON at every call (a visible share
+    of a decode step)."""
 
-    def __init__(self, path: Path):
-        self._run = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1).boxed_run
+    def __init__(self, path: Path, model: CausalLM):
+        traced = _Traced(model)
+        weights = dict(traced.named_parameters(remove_duplicate=False)) | dict(
+            traced.named_buffers(remove_duplicate=False))
+        runs = {}
+        for name in ("model", "decode"):
+            loader = torch._C._aoti.AOTIModelPackageLoader(str(path), name, False, 1, -1)
+            fqns = loader.get_constant_fqns()
+            loader.load_constants({f: weights[f].detach() for f in fqns}, False, True, True)
+            runs[name] = loader.boxed_run
+            setattr(self, f"_{name}_loader", loader)   # the runner lives as long as this
+        self._run, self._decode = runs["model"], runs["decode"]
 
     def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        return self._run(list(tensors))
+        run = self._decode if tensors[0].shape[1] <= DECODE_ROWS else self._run
+        return run(list(tensors))
 
 
-def load(path: Path) -> CompiledForward | None:
-    """The compiled forward in `path`, or None (with a warning) when it cannot be used."""
+def load(path: Path, model: CausalLM) -> CompiledForward | None:
+    """The compiled forward in `path` over `model`'s weights, or None (with a warning) when it
+    cannot be used."""
     try:
-        return CompiledForward(path)
+        return CompiledForward(path, model)
     except Exception as e:   # a corrupt or foreign file is skipped, never fatal
         logger.warning("ignoring the compiled forward %s: %s", path, str(e).splitlines()[0] if str(e) else e)
         return None

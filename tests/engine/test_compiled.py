@@ -55,7 +55,7 @@ def runners(ckpt, path):
             k.normal_()
             v.normal_()
         if use:
-            r.use_compiled(compiled.load(path))
+            r.use_compiled(compiled.load(path, model))
         out.append(r)
     return out
 
@@ -70,6 +70,8 @@ def layout(kind: str, rng: random.Random) -> ForwardInput:
         "prompt": [(0, 11, None)],
         "tree": [(10, 5, [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]),
                  (6, 3, None)],
+        "small tree": [(10, 4, [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]), (21, 2, None)],
+        "two rows": [(13, 2, None), (4, 1, None), (9, 2, [[1, 0], [1, 1]])],
     }[kind]
     inp, next_block = ForwardInput(), 0
     for ctx, n, mask in seqs:
@@ -82,8 +84,10 @@ def layout(kind: str, rng: random.Random) -> ForwardInput:
     return inp
 
 
-@pytest.mark.parametrize("kind", ["decode", "chain", "batch", "mixed", "prompt", "tree"])
+@pytest.mark.parametrize("kind", ["decode", "chain", "batch", "mixed", "prompt", "tree", "small tree", "two rows"])
 def test_same_logits_and_kv_as_eager(package, kind):
+    """Up to DECODE_ROWS rows a sequence (decode, batch, two rows) the package's
+    direct-attention program runs, above it the flash-attention one: both equal eager."""
     eager, fast = runners(*package)
     inp = layout(kind, random.Random(kind))
     want = eager.forward(inp)
@@ -220,10 +224,26 @@ def test_a_failed_build_leaves_the_engine_eager(pair, tmp_path, monkeypatch, cap
     assert "building the compiled forward failed" in caplog.text
 
 
-def test_unusable_package_is_ignored(tmp_path):
+def test_unusable_package_is_ignored(tmp_path, package):
+    model, _ = load_model(package[0], dtype="float32", progress=False)
     bad = tmp_path / "bad.pt2"
     bad.write_bytes(b"not a package")
-    assert compiled.load(bad) is None
+    assert compiled.load(bad, model) is None
+
+
+@pytest.mark.parametrize("rows", [1, compiled.DECODE_ROWS + 1])
+def test_the_programs_read_the_models_own_weights(package, rows):
+    """The package holds no weights: both programs read the model's tensors, so a change to
+    one shows in the next call."""
+    _, fast = runners(*package)
+    inp = ForwardInput()
+    inp.add(list(range(5, 5 + rows)), list(range(rows)), slots_for([0, 1], BLOCK, 0, rows), [0, 1], rows,
+            logit_rows=list(range(rows)))
+    before = fast.forward(inp)
+    with torch.no_grad():
+        fast.model.layers[0].feed_forward.w2.weight.mul_(0.0)
+    after = fast.forward(inp)
+    assert not torch.allclose(before, after)
 
 
 def test_package_key_changes_with_the_checkpoint(tmp_path):
