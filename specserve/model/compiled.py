@@ -193,7 +193,7 @@ def build_for(config) -> list[Path]:
             continue
         package = package_path(checkpoint, model, config.cache.block_size)
         if not package.is_file():
-            print(f"compiling the forward of {checkpoint} (a minute or two, once)", file=sys.stderr, flush=True)
+            print(f"compiling the forward of {checkpoint} (two or three minutes, once)", file=sys.stderr, flush=True)
             build(model, config.cache.block_size, package)
         paths.append(package)
     return paths
