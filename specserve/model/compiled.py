@@ -235,14 +235,12 @@ class CompiledForward:
         traced = _Traced(model)
         weights = dict(traced.named_parameters(remove_duplicate=False)) | dict(
             traced.named_buffers(remove_duplicate=False))
-        runs = {}
+        self._loaders = {}   # program name -> its runner, kept as long as this
         for name in ("model", "decode"):
             loader = torch._C._aoti.AOTIModelPackageLoader(str(path), name, False, 1, -1)
-            fqns = loader.get_constant_fqns()
-            loader.load_constants({f: weights[f].detach() for f in fqns}, False, True, True)
-            runs[name] = loader.boxed_run
-            setattr(self, f"_{name}_loader", loader)   # the runner lives as long as this
-        self._run, self._decode = runs["model"], runs["decode"]
+            loader.load_constants({f: weights[f].detach() for f in loader.get_constant_fqns()}, False, True, True)
+            self._loaders[name] = loader
+        self._run, self._decode = self._loaders["model"].boxed_run, self._loaders["decode"].boxed_run
 
     def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         run = self._decode if tensors[0].shape[1] <= DECODE_ROWS else self._run
