@@ -227,7 +227,9 @@ class Speculator:
     def _accept(self, logits: torch.Tensor, verified: list[_Verified]) -> dict[str, list[int]]:
         """The sampler: tree_accept over every decoding sequence. Its inputs are built first:
         each sequence's logit rows, the target's distribution (after min_tokens, temperature,
-        top-k, top-p), the trees, the draft's distributions and the uniforms."""
+        top-k, top-p), the trees, the draft's distributions and the uniforms. A batch of greedy
+        requests needs only the argmax: its trees are walked on the host (greedy_walk), on any
+        device."""
         dev = logits.device
         num_seqs = len(verified)
         max_nodes = max(v.tree.num_nodes for v in verified)
