@@ -173,7 +173,7 @@ class LLMEngine:
         for name, runner in (("target", self.target), ("draft", self.draft)):
             if runner is None or paths[name] is None or not compiled.supported(runner.model):
                 continue
-            package = compiled.package_path(paths[name], runner.model, block_size)
+            package = compiled.package_path(runner.model, block_size)
             forward = compiled.load(package, runner.model) if package.is_file() else None
             if forward is not None:
                 runner.use_compiled(forward)

@@ -191,7 +191,7 @@ def build_for(config) -> list[Path]:
         model, _ = load_model(checkpoint, dtype=dtype, progress=False)
         if not supported(model):
             continue
-        package = package_path(checkpoint, model, config.cache.block_size)
+        package = package_path(model, config.cache.block_size)
         if not package.is_file():
             print(f"compiling the forward of {checkpoint} (two or three minutes, once)", file=sys.stderr, flush=True)
             build(model, config.cache.block_size, package)
@@ -207,15 +207,13 @@ def cache_dir() -> Path:
     return Path(base) / "compiled"
 
 
-def package_path(checkpoint: str | os.PathLike, model: CausalLM, block_size: int) -> Path:
-    """Where the package of this model lies: keyed by the checkpoint's files, the model's shape,
-    the block size, torch, the CPU's instruction set and the source it is compiled from."""
+def package_path(model: CausalLM, block_size: int) -> Path:
+    """Where the package for `model` lies: keyed by the model's shape (its args), the block size,
+    torch, the CPU's instruction set and the source it is compiled from. Not by the weights: a
+    package holds none, so checkpoints of one shape (a fine-tune, a noisy copy) share it."""
     here = Path(__file__).parent
-    files = sorted(Path(checkpoint).glob("*.safetensors"))
     key = {
         "format": FORMAT, "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
-        "checkpoint": [str(Path(checkpoint).resolve())] + [[f.name, f.stat().st_size, int(f.stat().st_mtime)]
-                                                          for f in files],
         "args": repr(model.args), "block_size": block_size,
         "source": hashlib.sha256(b"".join((here / name).read_bytes() for name in _SOURCES)).hexdigest(),
     }
