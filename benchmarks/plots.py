@@ -1,13 +1,9 @@
-"""Plots from loadgen result JSONs: latency and throughput against concurrency (one line per
-setting, the result's ``config.label``), acceptance per position, controller depth over time.
-
-    python -m benchmarks.plots benchmarks/out/*.json --out-dir benchmarks/out/plots/
-"""
+"""The sweep's plots (benchmarks.sweep) from loadgen-shaped results: latency and throughput
+against concurrency (one line per setting, the result's ``config.label``), acceptance per
+position, controller depth over time."""
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -15,10 +11,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
-
-def load_results(paths) -> list[dict]:
-    return [json.loads(Path(p).read_text()) for p in paths]
 
 
 def _label(res: dict) -> str:
@@ -115,15 +107,3 @@ def make_all(results, out_dir) -> list[Path]:
     paths = [plot_latency_throughput(results, out), plot_acceptance(results, out), plot_depth(results, out)]
     return [p for p in paths if p is not None]
 
-
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.plots")
-    p.add_argument("results", nargs="+")
-    p.add_argument("--out-dir", default="benchmarks/out/plots")
-    args = p.parse_args(argv)
-    for path in make_all(load_results(args.results), args.out_dir):
-        print(path)
-
-
-if __name__ == "__main__":
-    main()

@@ -283,6 +283,57 @@ def test_sweep_report_pools_tokens_over_seconds_and_sets_adaptive_beside_the_bes
     assert "| 4 | static2 (300) | 0.967 | 5.800 |" in text
 
 
+def test_sweep_report_pairs_rounds_and_sets_each_setting_beside_in_process():
+    from benchmarks.sweep import report
+
+    def cell(label, seed, tps):
+        return {"config": {"label": label, "max_concurrency": 8, "seed": seed},
+                "metrics": {"total_output_tokens": tps, "duration_s": 1.0, "output_throughput": tps,
+                            "ttft_s": {"median": 0.01, "p99": 0.03}, "itl_s": {"median": 0.002, "p99": 0.004}}}
+
+    # adaptive / static1 per round: 1.0, 0.9, 1.1 -> mean 1.0, standard error 0.1 / sqrt(3).
+    cells = [cell("static1", r, 100.0) for r in range(3)] + [cell("adaptive", r, t) for r, t in
+                                                             enumerate([100.0, 90.0, 110.0])]
+    cells += [cell("in_process", r, 200.0) for r in range(3)]
+    text = report(cells)
+    assert "| 8 | static1 (100) | 1.000 +- 0.058 | n/a |" in text
+    assert "| 8 | adaptive | 100 | 0.500 +- 0.029 | 10 / 30 | 2.0 / 4.0 |" in text
+    assert "| 8 | in_process | 200 | 1 | 10 / 30 |" in text
+
+
+def test_sweep_in_process_runs_every_setting_in_one_engine(tiny_llama, tmp_path, monkeypatch):
+    """--in-process: one engine serves every cell, switched between them; its cells have loadgen's
+    shape (so the report and plots read them), and every block comes back."""
+    from benchmarks import sweep
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(f'device = "cpu"\n[target]\npath = "{tiny_llama}"\ndtype = "float64"\n'
+                      f'[draft]\npath = "{tiny_llama}"\ndtype = "float64"\n'
+                      '[cache]\nnum_blocks = 128\nblock_size = 4\n[cpu]\ncompile = "off"\n')
+    made = []
+    init = sweep.InProcess.__init__
+    monkeypatch.setattr(sweep.InProcess, "__init__", lambda self, *a: (init(self, *a), made.append(self))[0])
+    out = tmp_path / "out"
+    assert sweep.main(["--config", str(config), "--in-process", "--settings", "adaptive", "static0", "static2",
+                       "--concurrency", "1", "3", "--rounds", "2", "--min-prompts", "3",
+                       "--prompts-per-concurrency", "1", "--out-dir", str(out), "--",
+                       "--max-tokens", "5", "--ignore-eos", "--min-words", "2", "--max-words", "6"]) == 0
+    assert len(made) == 1
+    engine = made[0].engine
+    for r in (0, 1):
+        for label in ("adaptive", "static0", "static2"):
+            cell = json.loads((out / f"round{r}" / f"{label}_c3.json").read_text())
+            m = cell["metrics"]
+            assert cell["config"]["seed"] == r and m["num_completed"] == 3 and m["total_output_tokens"] == 15
+            assert m["ttft_s"]["count"] == 3 and m["itl_s"]["count"] >= 1
+    report = (out / "report.md").read_text()
+    assert "| 3 | static" in report and " +- " in report and "2 round(s)" in report
+    assert engine.scheduler.config.max_num_seqs >= 3 and not engine.has_unfinished_requests()
+    engine.pool.check_all_free()
+    with pytest.raises(SystemExit):
+        sweep.main(["--in-process", "--settings", "none", "--out-dir", str(out)])
+
+
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_sweep_cell_order_puts_each_setting_everywhere(n):
     from benchmarks.sweep import cell_order
@@ -324,8 +375,10 @@ def test_sweep_starts_a_server_per_setting(tmp_path, monkeypatch):
         return None
 
     monkeypatch.setattr(sweep, "start_server", fake_start)
+    built = []   # the compiled forwards are built (or found cached) before any server starts
+    monkeypatch.setattr("specserve.model.compiled.build_for", lambda cfg: built.append(cfg) or [])
     monkeypatch.setattr(sweep, "wait_healthy", lambda *a: (_ for _ in ()).throw(RuntimeError("not healthy")))
     with pytest.raises(RuntimeError, match="not healthy"):
         sweep.main(["--settings", "none", "adaptive", "--port", "9100", "--out-dir", str(tmp_path)])
-    assert started == [("none", 9100), ("adaptive", 9101)]
+    assert started == [("none", 9100), ("adaptive", 9101)] and len(built) == 1
     assert "--spec-mode static --spec-depth 3" == sweep.SETTINGS["static3"]
