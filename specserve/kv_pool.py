@@ -69,15 +69,6 @@ class KVPool:
         """Fraction of blocks held by running sequences (evictable cache counts as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        if self.prefix_cache_query_tokens == 0:
-            return 0.0
-        return self.prefix_cache_hit_tokens / self.prefix_cache_query_tokens
-
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.num_free_blocks
-
     # ----- allocation -----------------------------------------------------------------
 
     def allocate(self, num_blocks: int) -> list[int] | None:
