@@ -10,7 +10,7 @@ behind one call. A package holds two programs that differ only in their attentio
 for at most DECODE_ROWS rows a sequence (a decode step, a draft level), computes it as fused
 sums that read the context's keys and values where the pool holds them; "model", for any rows,
 gathers them and calls torch's CPU flash attention. Neither holds the weights: the loader
-hands both the model's own tensors. Loading takes milliseconds; building takes a minute or
+hands both the model's own tensors, stored column-major (`column_major`). Loading takes milliseconds; building takes a minute or
 three, so a package is built once per model, torch, CPU and version of this code, in a process
 of its own at low priority, into the user's cache directory (`specserve calibrate` builds it
 ahead), and the engine takes it up when it appears.
@@ -44,7 +44,7 @@ from specserve.model.llama import CausalLM, apply_rope, rope_full_tables
 
 logger = logging.getLogger("specserve")
 
-FORMAT = 2   # bump when the call's signature or layout changes
+FORMAT = 3   # bump when the call's signature or layout changes (the weights' strides included)
 DECODE_ROWS = 2   # forwards of at most this many rows a sequence take the "decode" program
 _SOURCES = ("compiled.py", "llama.py")   # the code a package is compiled from
 _STALE_LOCK_S = 1800.0   # a build lock older than this belongs to a build that died
@@ -122,6 +122,23 @@ def _direct_attention(qh, kh, vh, k_ctx, v_ctx, visible, scale):
     return (p[:, :, :S] * v_ctx[:, None, :, :, None, :]).sum(2) + (p[:, :, S:] * vh[:, None, :, :, None, :]).sum(2)
 
 
+def column_major(model: CausalLM) -> None:
+    """Store every weight a row is multiplied by (wqkv, wo, w13 and w2 of every layer, and the
+    LM head) column-major: the same values in an [in, out] layout, so that x @ W^T reads W^T as
+    one contiguous matrix. The BLAS streams that layout faster for few rows than the [out, in]
+    one (benchmarks/RESULTS.md, CPU path notes), and F.linear takes either. A head tied to the
+    embedding stays tied: the embedding's rows are then strided, which only a lookup reads. A
+    program assumes the strides it was compiled with: build and load both call this first."""
+    linears = [lin for layer in model.layers for lin in (layer.attention.wqkv, layer.attention.wo,
+                                                        layer.feed_forward.w13, layer.feed_forward.w2)]
+    for lin in linears + [model.output]:
+        if not lin.weight.t().is_contiguous():
+            tied = lin is model.output and lin.weight is model.tok_embeddings.weight
+            lin.weight = torch.nn.Parameter(lin.weight.detach().t().contiguous().t(), requires_grad=False)
+            if tied:
+                model.tok_embeddings.weight = lin.weight
+
+
 class _Traced(torch.nn.Module):
     def __init__(self, model: CausalLM, direct: bool = False):
         super().__init__()
@@ -153,11 +170,12 @@ def build(model: CausalLM, block_size: int, out: Path) -> Path:
     """Export and compile `dense_forward` for `model` into the package `out` (written whole or
     not at all): a "model" program for any rows, with flash attention, and a "decode" program
     for at most DECODE_ROWS rows a sequence, with direct attention. Neither holds the weights:
-    the loader hands them the model's own tensors (`load`)."""
+    the loader hands them the model's own tensors (`load`), which this lays out column-major."""
     from torch._inductor import aot_compile
     from torch._inductor.package import package_aoti
     from torch.export import Dim, export
 
+    column_major(model)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
     options = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False}
@@ -230,14 +248,15 @@ class CompiledForward:
     of a decode step)."""
 
     def __init__(self, path: Path, model: CausalLM):
+        # program name -> its runner, kept as long as this (a file that is no package fails here)
+        self._loaders = {name: torch._C._aoti.AOTIModelPackageLoader(str(path), name, False, 1, -1)
+                         for name in ("model", "decode")}
+        column_major(model)
         traced = _Traced(model)
         weights = dict(traced.named_parameters(remove_duplicate=False)) | dict(
             traced.named_buffers(remove_duplicate=False))
-        self._loaders = {}   # program name -> its runner, kept as long as this
-        for name in ("model", "decode"):
-            loader = torch._C._aoti.AOTIModelPackageLoader(str(path), name, False, 1, -1)
+        for loader in self._loaders.values():
             loader.load_constants({f: weights[f].detach() for f in loader.get_constant_fqns()}, False, True, True)
-            self._loaders[name] = loader
         self._run, self._decode = self._loaders["model"].boxed_run, self._loaders["decode"].boxed_run
 
     def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:

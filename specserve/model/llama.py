@@ -225,7 +225,7 @@ def pack_onednn(layer: nn.Linear) -> None:
     """Give `layer` a copy of its weight in oneDNN's blocked layout; `linear` then uses it. The
     plain weight stays (state_dict, tied embeddings); the packed copy must be made again if the
     weight changes."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), _ONEDNN_PACK_ROWS)
+    packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach().contiguous(), _ONEDNN_PACK_ROWS)
     bias = None if layer.bias is None else layer.bias.detach()
     layer.__dict__["onednn"] = (packed, bias)
 

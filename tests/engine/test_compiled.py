@@ -5,7 +5,7 @@ speculative output equal to target-only output on it for chains and trees, sampl
 following the target's distribution, every block back after aborts; and how the engine takes a
 package up. One package is built per test session (about a minute on two cores), in the
 session's cache directory where the engine looks, for a two-layer Qwen3-shaped target (per-head
-q/k norms); the draft is the target with noise added (it agrees often, not always), so it has the
+q/k norms, the LM head tied to the embedding); the draft is the target with noise added (it agrees often, not always), so it has the
 target's shape and shares the package."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def build(ckpt) -> object:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("compiled")
-    target = make_checkpoint(root / "target", arch="qwen3", num_hidden_layers=2)
+    target = make_checkpoint(root / "target", arch="qwen3", num_hidden_layers=2, tie_word_embeddings=True)
     return target, make_noisy_copy(target, root / "draft", seed=5, scale=0.1)
 
 
@@ -104,6 +104,9 @@ def test_same_logits_and_kv_as_eager(package, kind):
 def test_padding_past_the_bound_runs_eagerly(package):
     """A long prompt chunk beside decode rows would be padded to many times its rows: eager."""
     _, fast = runners(*package)
+    w2, head = fast.model.layers[0].feed_forward.w2.weight, fast.model.output.weight
+    assert w2.t().is_contiguous() and not w2.is_contiguous()   # laid out column-major by load()
+    assert head.t().is_contiguous() and head is fast.model.tok_embeddings.weight   # still tied
     inp = ForwardInput()
     inp.add(list(range(5, 25)), list(range(20)), slots_for([0, 1, 2, 3, 4], BLOCK, 0, 20), [0, 1, 2, 3, 4], 20)
     for b in range(3):
@@ -232,6 +235,9 @@ def test_the_programs_read_the_models_own_weights(package, rows):
     """The package holds no weights: both programs read the model's tensors, so a change to
     one shows in the next call."""
     _, fast = runners(*package)
+    w2, head = fast.model.layers[0].feed_forward.w2.weight, fast.model.output.weight
+    assert w2.t().is_contiguous() and not w2.is_contiguous()   # laid out column-major by load()
+    assert head.t().is_contiguous() and head is fast.model.tok_embeddings.weight   # still tied
     inp = ForwardInput()
     inp.add(list(range(5, 5 + rows)), list(range(rows)), slots_for([0, 1], BLOCK, 0, rows), [0, 1], rows,
             logit_rows=list(range(rows)))
@@ -251,3 +257,19 @@ def test_the_package_key_follows_the_models_shape_not_its_weights(tmp_path):
     assert compiled.package_path(ma, 16) == compiled.package_path(mc, 16)
     assert compiled.package_path(ma, 16) != compiled.package_path(mb, 16)
     assert compiled.package_path(ma, 16) != compiled.package_path(ma, 32)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_column_major_keeps_the_values_and_the_tie(tmp_path, tied):
+    ckpt = make_checkpoint(tmp_path / "m", num_hidden_layers=1, with_tokenizer=False, tie_word_embeddings=tied)
+    model, _ = load_model(ckpt, dtype="float32", progress=False)
+    ids = torch.tensor([[3, 50, 7]])
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    want = model.compute_logits(model.tok_embeddings(ids[0]))
+    compiled.column_major(model)
+    after = dict(model.named_parameters())
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    for lin in (model.layers[0].attention.wqkv, model.layers[0].feed_forward.w2, model.output):
+        assert lin.weight.t().is_contiguous() and not lin.weight.is_contiguous()
+    assert (model.output.weight is model.tok_embeddings.weight) == tied
+    torch.testing.assert_close(model.compute_logits(model.tok_embeddings(ids[0])), want)
