@@ -40,8 +40,11 @@ def _engine_config(args):
     }
     if args.target and not args.draft and not args.draft_kind and not args.config:
         overrides["draft_kind"] = "none"
-    if overrides["spec_depth"] is not None and overrides["spec_depth"] > cfg.spec.max_depth:
-        overrides["spec__max_depth"] = overrides["spec_depth"]
+    depth = overrides["spec_depth"]
+    if depth is not None and depth > config_mod.MAX_DEPTH:
+        raise config_mod.ConfigError(f"--spec-depth {depth} is too deep: at most {config_mod.MAX_DEPTH}")
+    if depth is not None and depth > cfg.spec.max_depth:   # a deeper static depth raises the cap with it
+        overrides["spec__max_depth"] = depth
     return config_mod.with_overrides(cfg, **overrides)
 
 

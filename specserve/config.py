@@ -50,12 +50,15 @@ class DraftConfig(_Section):
     ngram_max: PositiveInt = 4  # ... and the longest (tried first)
 
 
+MAX_DEPTH = 16   # the deepest speculation any setting may ask for
+
+
 class SpecConfig(_Section):
     """[spec]: how deep and wide to speculate."""
 
     mode: Literal["adaptive", "static"] = "adaptive"   # adaptive: the controller plans every step
     depth: NonNegInt = 4  # static depth; 0 = plain decode
-    max_depth: Annotated[int, Meta(ge=0, le=16)] = 8  # adaptive plans 0..max_depth
+    max_depth: Annotated[int, Meta(ge=0, le=MAX_DEPTH)] = 8  # adaptive plans 0..max_depth
     tree: Literal["chain", "fixed", "dynamic"] = "chain"
     branching: list[PositiveInt] = []  # fixed trees: children per depth, e.g. [4, 2, 2, 1]
     num_nodes: PositiveInt = 16  # dynamic trees: node budget (root excluded)

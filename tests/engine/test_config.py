@@ -175,3 +175,10 @@ def test_several_engines_need_engine_processes():
         C.from_dict({"server": {"engines": 2, "engine_process": False}})
     assert "server.engines = 2" in str(e.value) and "engine_process" in str(e.value)
     assert C.from_dict({"server": {"engines": 2}}).server.engines == 2
+
+
+def test_a_static_depth_past_the_deepest_names_the_flag(capsys):
+    from specserve import cli
+
+    assert cli.main(["generate", "--prompt", "x", "--spec-depth", "99"]) != 0
+    assert "--spec-depth 99 is too deep: at most 16" in capsys.readouterr().err
