@@ -10,10 +10,11 @@ behind one call. A package holds two programs that differ only in their attentio
 for at most DECODE_ROWS rows a sequence (a decode step, a draft level), computes it as fused
 sums that read the context's keys and values where the pool holds them; "model", for any rows,
 gathers them and calls torch's CPU flash attention. Neither holds the weights: the loader
-hands both the model's own tensors, stored column-major (`column_major`). Loading takes milliseconds; building takes a minute or
-three, so a package is built once per model, torch, CPU and version of this code, in a process
-of its own at low priority, into the user's cache directory (`specserve calibrate` builds it
-ahead), and the engine takes it up when it appears.
+hands both the model's own tensors, stored column-major (`column_major`). Loading takes
+milliseconds; building takes a minute or three, so a package is built once per model shape,
+torch, CPU and version of this code, in a process of its own at low priority, into the user's
+cache directory (`specserve calibrate` builds it ahead), and the engine takes it up when it
+appears.
 
 Layout of a call. A forward of B sequences is laid out as [B, q] rows, q the largest number of
 new rows of any sequence; a shorter sequence is padded with rows that see only themselves and
