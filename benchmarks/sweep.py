@@ -268,7 +268,7 @@ def main(argv=None) -> int:
         p.error("in process the load is a closed loop: --request-rate does not apply")
     loadgen.pin_to_cpus(args.client_cpus)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    if not args.base_url:   # no cell runs beside a compiler
+    if not args.base_url or local:   # nothing started here runs a cell beside a compiler
         from specserve import config as config_mod
         from specserve.model import compiled
 
