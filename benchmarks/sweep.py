@@ -133,7 +133,7 @@ class InProcess:
                     else:
                         r.itl.append(now - r.start - r.e2e)
                     r.num_chunks += 1
-                    r.e2e = now - r.start   # the time of the last chunk until it finishes
+                    r.e2e = now - r.start   # so far: the last chunk; at the end, the whole request
                 r.num_output_tokens = len(out.token_ids)
                 if out.finished:
                     r.ok = True
