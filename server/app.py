@@ -10,7 +10,7 @@ streams, /health and /metrics stay responsive while a step computes. A request's
 
 Every exit path closes the engine iterators, and closing one that has not finished aborts
 its request: a client that goes away (write fails, or aiohttp cancels the handler) frees
-its KV blocks at once.
+its KV blocks at once. A client that stays but takes nothing is cut off (`_send`).
 """
 
 from __future__ import annotations
@@ -420,9 +420,13 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         if stream:
             return await _stream(request, run, firsts, include_usage)
         try:
-            return await _complete(run, firsts)
+            resp = await _complete(run, firsts)
         except (EngineDeadError, RequestFailedError) as e:
             return _stream_error(e).response()
+        with contextlib.suppress(ConnectionError):   # a client gone: nothing left to free
+            await resp.prepare(request)
+            await _send(request, resp.write_eof())
+        return resp
     finally:
         await run.close()
         state.num_inflight -= 1
@@ -461,6 +465,29 @@ async def _complete(run: _Run, firsts: list[RequestOutput]) -> web.Response:
     return web.Response(body=_json.encode(body), content_type="application/json")
 
 
+def _cut_off(transport, seconds: float) -> None:
+    logger.warning("a client took none of its response for %g s (server.idle_timeout_s): closing its connection",
+                   seconds)
+    transport.abort()
+
+
+async def _send(request: web.Request, write) -> None:
+    """Await one write of a response (the coroutine `write`). A write waits only while the
+    socket's buffers are full, i.e. while the client takes nothing; one that waits [server]
+    idle_timeout_s aborts the connection, which cancels the handler and with it the client's
+    requests, instead of holding the connection, and the output queued for it, for ever."""
+    transport = request.transport
+    if transport is None or transport.is_closing():
+        write.close()
+        raise ConnectionResetError("the client went away")
+    seconds = request.app[STATE].cfg.server.idle_timeout_s
+    timer = asyncio.get_running_loop().call_later(seconds, _cut_off, transport, seconds)
+    try:
+        await write
+    finally:
+        timer.cancel()
+
+
 async def _stream(request: web.Request, run: _Run, firsts: list[RequestOutput], include_usage: bool):
     """SSE as OpenAI streams it: `data: <compact json>\\n\\n` per chunk, the role with the first
     token, finish_reason on the last content chunk, the usage chunk (choices: []) when asked,
@@ -495,23 +522,24 @@ async def _stream(request: web.Request, run: _Run, firsts: list[RequestOutput], 
     try:
         for i, out in enumerate(firsts):
             if (data := event(i, out)) is not None:
-                await resp.write(data)
+                await _send(request, resp.write(data))
         # aclosing: leaving early (a failed write) stops the pumps of n > 1 before run.close()
         async with contextlib.aclosing(run.rest(firsts)) as outputs:
             async for i, out in outputs:
                 if (data := event(i, out)) is not None:
-                    await resp.write(data)
+                    await _send(request, resp.write(data))
         if include_usage:
-            await resp.write(b"data: " + _json.encode({**header, "object": obj, "choices": [],
-                                                       "usage": run.usage()}) + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+            await _send(request, resp.write(b"data: " + _json.encode({**header, "object": obj, "choices": [],
+                                                                        "usage": run.usage()}) + b"\n\n"))
+        await _send(request, resp.write(b"data: [DONE]\n\n"))
+        await _send(request, resp.write_eof())
     except (ConnectionResetError, ConnectionError):
         logger.info("client went away mid-stream; its requests are aborted")
     except (EngineDeadError, RequestFailedError) as e:  # headers are sent: the error goes in the stream
         try:
-            await resp.write(b"data: " + _json.encode(_stream_error(e).body()) + b"\n\ndata: [DONE]\n\n")
-            await resp.write_eof()
+            error = _json.encode(_stream_error(e).body())
+            await _send(request, resp.write(b"data: " + error + b"\n\ndata: [DONE]\n\n"))
+            await _send(request, resp.write_eof())
         except ConnectionError:
             pass
     return resp

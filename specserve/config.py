@@ -91,7 +91,8 @@ class ServerConfig(_Section):
     port: Annotated[int, Meta(ge=0, le=65535)] = 8000
     served_model_name: str | None = None  # default: the target directory's name
     shutdown_timeout_s: Annotated[float, Meta(ge=0.0)] = 30.0
-    # A connection must send a request head within this, and is closed when idle this long.
+    # A connection must send a request head within this, and is closed when idle this long or
+    # when its client takes none of a response this long (its requests are aborted).
     idle_timeout_s: Annotated[float, Meta(gt=0.0)] = 15.0
     body_timeout_s: Annotated[float, Meta(gt=0.0)] = 30.0   # a request body must arrive within this
     max_connections: PositiveInt = 1024    # more open connections are closed at once

@@ -430,6 +430,49 @@ def test_slow_and_idle_clients_are_cut_off_while_others_are_served(strict_server
         s.close()
 
 
+def _post_with_small_buffers(srv, body: dict) -> socket.socket:
+    """A raw request whose response cannot sit in the sockets' buffers: the client's receive
+    buffer and the server's send buffer for this connection are a few KB each."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", srv.port))
+    assert wait_until(lambda: len(srv.runner.server.connections) == 1)
+    (handler,) = srv.runner.server.connections
+    handler.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    raw = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
+    return s
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_stops_reading_is_cut_off_and_one_that_reads_slowly_is_not(strict_server, stream):
+    srv = strict_server   # idle_timeout_s = 1
+    # ~200 KB of response: 250 tokens with 20 alternatives each.
+    body = {"model": srv.model, "prompt": "Hi", "max_tokens": 250, "ignore_eos": True, "logprobs": 20,
+            "temperature": 0, "stream": stream}
+    stalled = _post_with_small_buffers(srv, body)
+    t = time.monotonic()
+    assert wait_until(lambda: srv.app[STATE].num_inflight == 1, timeout=5)
+    out = srv.client().completions.create(model=srv.model, prompt="Hi", max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens == 3            # others are served meanwhile
+    assert wait_until(lambda: not srv.runner.server.connections and srv.app[STATE].num_inflight == 0, timeout=10)
+    assert time.monotonic() - t < 6.0
+    srv.engine.pool.check_all_free()
+    stalled.close()
+
+    # A client that reads, however slowly, gets all of it.
+    slow = _post_with_small_buffers(srv, body)
+    data = b""
+    while chunk := slow.recv(8192):   # until the server closes the connection, idle after the response
+        data += chunk
+        time.sleep(0.02)
+    head, _, payload = data.partition(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0] and len(payload) > 100_000
+    assert b"data: [DONE]" in payload if stream else b'"completion_tokens":250' in payload
+    slow.close()
+
+
 def test_overload_is_429_and_loses_nothing(server_target):
     cfg = engine_config(server_target, "none", max_waiting_requests=8, max_num_seqs=4)
     srv = ServerThread(LLMEngine(cfg, progress=False), cfg)
