@@ -137,7 +137,9 @@ def _tokenize(tokenizer, req: protocol.ChatRequest | protocol.CompletionRequest,
     rendered = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
                  "".join(part.text for part in m.content or [])} for m in req.messages]
     try:
-        text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message,
+                                             **(req.chat_template_kwargs or {}))
     except Exception as e:  # a template that rejects the conversation (roles, order)
         raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
     return [_encode(tokenizer, text, max_model_len, chat, add_special_tokens=False)]  # the template writes BOS

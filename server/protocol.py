@@ -26,6 +26,7 @@ MAX_TOKENS = 2**20
 MAX_STOPS, MAX_STOP_CHARS = 4, 256   # as OpenAI: up to 4 stop sequences
 MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 1024
+MAX_TEMPLATE_KWARGS = 16
 MAX_NAME = 256                  # model names, roles, user ids
 
 Name = Annotated[str, Meta(max_length=MAX_NAME)]
@@ -65,7 +66,15 @@ ALLOWED = {
     "role": f"a string of at most {MAX_NAME} characters",
     "content": 'a string, null, or a list of text parts {"type": "text", "text": "..."}',
     "type": "a string", "text": "a string",
+    "add_generation_prompt": "true or false", "continue_final_message": "true or false",
+    "chat_template_kwargs": (f"an object of at most {MAX_TEMPLATE_KWARGS} variables for the chat template, "
+                             'like {"enable_thinking": false}'),
 }
+# apply_chat_template's own parameters and the conversation: not template variables a request sets.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 # Fields this server does not implement, and the value of each that changes nothing.
 # OpenAI's and vLLM's fields that would change the output: read from the body as sent.
@@ -78,7 +87,7 @@ NOT_IMPLEMENTED = {
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "structured_outputs": (None,),
 }
-NOT_IMPLEMENTED_IN_CHAT = {"echo": (None, False)}
+NOT_IMPLEMENTED_IN_CHAT = {"echo": (None, False), "chat_template": (None,)}   # no templates from requests
 
 
 class ProtocolError(Exception):
@@ -141,6 +150,12 @@ class ChatRequest(_Request, kw_only=True):
     max_completion_tokens: Tokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    # The chat template's switches, as vLLM takes them: continue_final_message renders the
+    # last message open (typically an assistant's prefix), the reply continuing it;
+    # chat_template_kwargs are the template's own variables (Qwen3's enable_thinking).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Annotated[dict[str, Any], Meta(max_length=MAX_TEMPLATE_KWARGS)] | None = None
 
 
 def _depth(obj: Any, limit: int) -> bool:
@@ -204,6 +219,12 @@ def parse(raw: bytes, chat: bool) -> ChatRequest | CompletionRequest:
                                         f"messages[{i}].content")
         if req.top_logprobs is not None and not req.logprobs:
             raise ProtocolError("top_logprobs needs logprobs: true", "top_logprobs")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise ProtocolError("continue_final_message continues the last message: it needs "
+                                "add_generation_prompt: false", "continue_final_message")
+        if reserved := sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or ())):
+            raise ProtocolError(f"chat_template_kwargs may not set {', '.join(map(repr, reserved))}: the request's "
+                                "own fields set those", "chat_template_kwargs")
     else:
         _check_prompt(req.prompt)
         if req.max_tokens == 0 and not req.echo:

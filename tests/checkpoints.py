@@ -13,9 +13,11 @@ from pathlib import Path
 import torch
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+# `brief` is a template variable of the kind chat_template_kwargs set (Qwen3's enable_thinking).
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% if not (loop.last and continue_final_message) %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if brief %}In short:{% endif %}{% endif %}"
 )
 
 # Fixed training text: English, code and some non-ASCII, so that merges are varied and

@@ -65,6 +65,27 @@ def test_chat_content_as_text_parts(server):
     assert a.usage.prompt_tokens == b.usage.prompt_tokens == len(rendered_ids(server, plain))
 
 
+def test_chat_template_switches_render_as_the_template_says(server):
+    """continue_final_message renders the last (assistant) message open and the reply continues
+    it; chat_template_kwargs reach the template as its variables. Each reply equals the
+    completion of its rendered prompt."""
+    client, model, tok = server.client(), model_name(server), server.engine.tokenizer
+    opened = MESSAGES + [{"role": "assistant", "content": "The sea is"}]
+    cases = [({"continue_final_message": True, "add_generation_prompt": False}, opened),
+             ({"chat_template_kwargs": {"brief": True}}, MESSAGES)]
+    for extra, messages in cases:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=not extra.get(
+            "continue_final_message", False), continue_final_message=extra.get("continue_final_message", False),
+            **extra.get("chat_template_kwargs", {}))
+        assert text.endswith("<|assistant|>The sea is" if messages is opened else "<|assistant|>In short:")
+        ids = tok.encode(text, add_special_tokens=False)
+        chat = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                              extra_body=extra)
+        plain = client.completions.create(model=model, prompt=ids, max_tokens=12, temperature=0)
+        assert chat.usage.prompt_tokens == len(ids)
+        assert chat.choices[0].message.content == plain.choices[0].text
+
+
 def test_completion_matches_offline_engine(server, server_target, server_draft):
     """Non-streaming and streaming completions both equal LLM.generate on the same pair."""
     from specserve.llm import LLM
