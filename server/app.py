@@ -131,7 +131,8 @@ def _tokenize(tokenizer, req: protocol.ChatRequest | protocol.CompletionRequest,
               max_model_len: int) -> list[list[int]]:
     if not chat:
         prompts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
-        return [_encode(tokenizer, p, max_model_len, chat) if isinstance(p, str) else list(p) for p in prompts]
+        return [_encode(tokenizer, p, max_model_len, chat, add_special_tokens=req.add_special_tokens is not False)
+                if isinstance(p, str) else list(p) for p in prompts]
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
     rendered = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
@@ -142,7 +143,8 @@ def _tokenize(tokenizer, req: protocol.ChatRequest | protocol.CompletionRequest,
                                              **(req.chat_template_kwargs or {}))
     except Exception as e:  # a template that rejects the conversation (roles, order)
         raise ApiError(400, f"the chat template rejected the messages: {e}", "messages") from None
-    return [_encode(tokenizer, text, max_model_len, chat, add_special_tokens=False)]  # the template writes BOS
+    # The template writes BOS and the like.
+    return [_encode(tokenizer, text, max_model_len, chat, add_special_tokens=bool(req.add_special_tokens))]
 
 
 def _text_size(req, chat: bool) -> int:
@@ -204,7 +206,7 @@ async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choic
                     stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                     min_tokens=min(req.min_tokens, budget), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                    repetition_penalty=req.repetition_penalty,
+                    repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens,
                     logit_bias={int(t): b for t, b in req.logit_bias.items()} if req.logit_bias else None)
             except InvalidRequestError as e:
                 param = max_name if e.param == "max_tokens" else e.param

@@ -67,6 +67,7 @@ ALLOWED = {
     "content": 'a string, null, or a list of text parts {"type": "text", "text": "..."}',
     "type": "a string", "text": "a string",
     "add_generation_prompt": "true or false", "continue_final_message": "true or false",
+    "skip_special_tokens": "true or false", "add_special_tokens": "true or false",
     "chat_template_kwargs": (f"an object of at most {MAX_TEMPLATE_KWARGS} variables for the chat template, "
                              'like {"enable_thinking": false}'),
 }
@@ -85,7 +86,9 @@ NOT_IMPLEMENTED = {
     "min_p": (None, 0, 0.0), "bad_words": (None, []), "allowed_token_ids": (None,), "use_beam_search": (None, False),
     "include_stop_str_in_output": (None, False), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,),
+    "structured_outputs": (None,), "spaces_between_special_tokens": (None, True),
+    "return_tokens_as_token_ids": (None, False), "logits_processors": (None, []), "length_penalty": (None, 1, 1.0),
+    "detokenize": (None, True),
 }
 NOT_IMPLEMENTED_IN_CHAT = {"echo": (None, False), "chat_template": (None,)}   # no templates from requests
 
@@ -119,6 +122,10 @@ class _Request(Struct, kw_only=True):
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] = 1.0   # vLLM's extension
     logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_BIASED_TOKENS)] | None = None   # token id -> bias
+    # vLLM's: whether the output text shows special tokens, and whether a text prompt is
+    # encoded with them (None: yes for completions; no for chat, whose template writes them).
+    skip_special_tokens: bool = True
+    add_special_tokens: bool | None = None
     # specserve's extension (the chat page): each streamed choice also carries "provenance",
     # its text in pieces [text, accepted draft tokens?, number of tokens].
     provenance: bool = False

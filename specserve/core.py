@@ -365,7 +365,7 @@ class EngineCoreClient:
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
         stream = self._streams[request_id] = _Stream(
-            IncrementalDetokenizer(self.tokenizer, list(prompt), stop=params.stop))
+            IncrementalDetokenizer(self.tokenizer, list(prompt), params.stop, params.skip_special_tokens))
         self._send(AddRequest(request_id, list(prompt), params))
         finished = False
         try:

@@ -338,7 +338,8 @@ class LLMEngine:
             prompt_ids,
             params,
             self.eos_token_ids,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop) if self.detokenize
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
+            if self.detokenize
             else None,
             generator=make_generator(params.seed) if params.seed is not None else None,
         )

@@ -69,6 +69,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit
+    skip_special_tokens: bool = True     # the output text leaves out special tokens (EOS, ...)
 
     def __post_init__(self):
         if isinstance(self.stop, str):   # the OpenAI API allows a single string

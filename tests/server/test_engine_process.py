@@ -148,3 +148,21 @@ def test_text_and_stop_strings_are_made_in_the_api_server(core_server, cfg):
     assert body["choices"][0]["text"] == ref.text and body["usage"]["completion_tokens"] == len(ref.token_ids)
     core = backend(core_server)
     assert wait_until(lambda: core.snapshot()["running"] == 0 and core.snapshot()["blocks_held"] == 0, timeout=20)
+
+
+def test_special_tokens_show_in_the_text_when_asked(core_server):
+    """skip_special_tokens (vLLM's field, default true) reaches the API server's detokenizer:
+    a request made to emit EOS three times gets "" by default and the EOS text three times
+    with skip_special_tokens: false, streaming and not."""
+    tokenizer = backend(core_server).tokenizer
+    eos, eos_id = tokenizer.eos_token, tokenizer.eos_token_id
+    body = {"prompt": PROMPTS[0], "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(eos_id): 100}}
+    for skip, text in ((True, ""), (False, eos * 3)):
+        events = stream(core_server, {**body, "skip_special_tokens": skip})
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == text
+        req = urllib.request.Request(core_server.url + "/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({**body, "skip_special_tokens": skip}).encode())
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = json.loads(r.read())
+        assert out["choices"][0]["text"] == text and out["usage"]["completion_tokens"] == 3

@@ -150,7 +150,8 @@ def test_queue_full_is_429_with_retry_after(srv):
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("response_format", {"type": "json_object"}), ("modalities", ["text", "audio"]), ("min_p", 0.1),
     ("bad_words", ["x"]), ("use_beam_search", True), ("guided_json", {"type": "object"}), ("echo", True),
-    ("include_stop_str_in_output", True), ("prompt_logprobs", 1),
+    ("include_stop_str_in_output", True), ("prompt_logprobs", 1), ("spaces_between_special_tokens", False),
+    ("return_tokens_as_token_ids", True), ("length_penalty", 0.5),
 ])
 def test_fields_that_would_change_the_output_are_refused_by_name(srv, field, value):
     status, _, body = post(srv, "/chat/completions", {"model": srv.model, "messages": CHAT, field: value})
@@ -159,7 +160,9 @@ def test_fields_that_would_change_the_output_are_refused_by_name(srv, field, val
 
 @pytest.mark.parametrize("field,value", [("tools", []), ("tool_choice", "none"), ("response_format", {"type": "text"}),
                                          ("min_p", 0), ("user", "me"), ("metadata", {"a": "b"}), ("store", False),
-                                         ("parallel_tool_calls", True), ("echo", False)])
+                                         ("parallel_tool_calls", True), ("echo", False),
+                                         ("skip_special_tokens", False), ("add_special_tokens", True),
+                                         ("prediction", {"type": "content", "content": "hi"})])
 def test_neutral_and_unknown_fields_are_accepted(srv, field, value):
     status, _, body = post(srv, "/chat/completions", {"model": srv.model, "messages": CHAT, field: value,
                                                       "max_tokens": 2})

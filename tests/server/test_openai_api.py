@@ -245,3 +245,26 @@ def test_metrics_move_after_a_request(server):
     assert sum(per_position) == totals.num_accepted_tokens
     assert after["specserve_num_requests_running"] == 0 and after["specserve_kv_cache_usage_perc"] == 0
 
+
+
+def test_add_special_tokens_defaults_by_route_and_can_be_set(server_target):
+    """A text prompt is encoded with the tokenizer's special tokens on /v1/completions and
+    without them in chat (the template writes them), unless add_special_tokens says otherwise."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    from specserve.server import protocol
+    from specserve.server.app import _tokenize
+    from tests.checkpoints import BOS
+
+    tok = AutoTokenizer.from_pretrained(str(server_target))    # made to add BOS, as Llama's does
+    bos = tok.convert_tokens_to_ids(BOS)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos)])
+
+    def ids(chat: bool, **extra) -> list[int]:
+        body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+        return _tokenize(tok, protocol.parse(json.dumps({**body, **extra}).encode(), chat), chat, MAX_MODEL_LEN)[0]
+
+    assert ids(False)[0] == bos and ids(False, add_special_tokens=False)[0] != bos
+    assert ids(False)[1:] == ids(False, add_special_tokens=False)
+    assert ids(True).count(bos) == 1 and ids(True, add_special_tokens=True)[:2] == [bos, bos]
