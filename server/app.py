@@ -158,7 +158,7 @@ def _text_size(req, chat: bool) -> int:
 
 
 async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choice], bool, bool, bool]:
-    """-> (choices, stream, include_usage, provenance). Raises ApiError naming the field and what
+    """-> (choices, stream, stream options, provenance). Raises ApiError naming the field and what
     is allowed."""
     try:
         req = protocol.parse(raw, chat)
@@ -212,8 +212,7 @@ async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choic
                 param = max_name if e.param == "max_tokens" else e.param
                 raise ApiError(400, str(e).replace("max_tokens", max_name, 1), param) from None
             choices.append(Choice(p * req.n + i, p, prompt_ids, params, echo_text))
-    include_usage = req.stream and req.stream_options is not None and req.stream_options.include_usage
-    return choices, req.stream, include_usage, req.provenance
+    return choices, req.stream, req.stream_options or protocol.StreamOptions(), req.provenance
 
 
 # -- running requests -------------------------------------------------------------------------
@@ -367,10 +366,13 @@ class _Run:
             pieces.append([rest, False, 0])
         return pieces
 
-    def usage(self) -> dict:
-        # The prompt counts once, whatever n is.
-        prompt = sum({c.prompt_idx: len(c.prompt_ids) for c in self.choices}.values())
-        completion = sum(self.num_tokens)
+    def usage(self, i: int | None = None) -> dict:
+        """The request's usage so far, or choice i's."""
+        if i is not None:
+            prompt, completion = len(self.choices[i].prompt_ids), self.num_tokens[i]
+        else:   # the prompt counts once, whatever n is
+            prompt = sum({c.prompt_idx: len(c.prompt_ids) for c in self.choices}.values())
+            completion = sum(self.num_tokens)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -404,7 +406,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
     try:
         _check_serving(state)
-        choices, stream, include_usage, provenance = await _parse(state, await _read_body(request), chat)
+        choices, stream, options, provenance = await _parse(state, await _read_body(request), chat)
         waiting, limit = state.async_engine.num_waiting(), state.cfg.scheduler.max_waiting_requests
         if waiting + len(choices) > limit:
             raise ApiError(429, f"{waiting} requests are waiting and this one adds {len(choices)}; at most {limit} "
@@ -422,7 +424,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         except ApiError as e:
             return e.response()
         if stream:
-            return await _stream(request, run, firsts, include_usage)
+            return await _stream(request, run, firsts, options)
         try:
             resp = await _complete(run, firsts)
         except (EngineDeadError, RequestFailedError) as e:
@@ -492,16 +494,18 @@ async def _send(request: web.Request, write) -> None:
         timer.cancel()
 
 
-async def _stream(request: web.Request, run: _Run, firsts: list[RequestOutput], include_usage: bool):
+async def _stream(request: web.Request, run: _Run, firsts: list[RequestOutput], options: protocol.StreamOptions):
     """SSE as OpenAI streams it: `data: <compact json>\\n\\n` per chunk, the role with the first
-    token, finish_reason on the last content chunk, the usage chunk (choices: []) when asked,
-    then `data: [DONE]\\n\\n`. Empty intermediate deltas (text held back by the detokenizer:
+    token, finish_reason on the last content chunk, the usage chunk (choices: []) when asked
+    (and, with continuous_usage_stats, each chunk's choice's usage so far in the chunk), then
+    `data: [DONE]\\n\\n`. Empty intermediate deltas (text held back by the detokenizer:
     a partial UTF-8 character, a possible stop-string prefix) are not sent."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     header = _header(run)
     obj = "chat.completion.chunk" if run.chat else "text_completion"
     sent_first = [False] * len(run.choices)
+    continuous_usage = options.include_usage and options.continuous_usage_stats
 
     def event(i: int, out: RequestOutput) -> bytes | None:
         c = run.choices[i]
@@ -521,7 +525,10 @@ async def _stream(request: web.Request, run: _Run, firsts: list[RequestOutput], 
         if run.provenance:
             choice["provenance"] = run.pieces(i, out)
         choice["finish_reason"] = out.finish_reason if out.finished else None
-        return b"data: " + _json.encode({**header, "object": obj, "choices": [choice]}) + b"\n\n"
+        chunk = {**header, "object": obj, "choices": [choice]}
+        if continuous_usage:
+            chunk["usage"] = run.usage(i)
+        return b"data: " + _json.encode(chunk) + b"\n\n"
 
     try:
         for i, out in enumerate(firsts):
@@ -532,7 +539,7 @@ async def _stream(request: web.Request, run: _Run, firsts: list[RequestOutput], 
             async for i, out in outputs:
                 if (data := event(i, out)) is not None:
                     await _send(request, resp.write(data))
-        if include_usage:
+        if options.include_usage:
             await _send(request, resp.write(b"data: " + _json.encode({**header, "object": obj, "choices": [],
                                                                         "usage": run.usage()}) + b"\n\n"))
         await _send(request, resp.write(b"data: [DONE]\n\n"))

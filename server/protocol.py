@@ -41,6 +41,7 @@ ALLOWED = {
     "model": f"a string of at most {MAX_NAME} characters",
     "user": f"a string of at most {MAX_NAME} characters",
     "stream": "true or false", "include_usage": "true or false", "ignore_eos": "true or false",
+    "continuous_usage_stats": "true or false",
     "echo": "true or false",
     "logprobs": f"true or false (chat), or null or an integer in [0, {MAX_LOGPROBS}] (completions)",
     "top_logprobs": f"null or an integer in [0, {MAX_LOGPROBS}]",
@@ -49,7 +50,7 @@ ALLOWED = {
     "repetition_penalty": f"a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = off)",
     "logit_bias": (f'an object of at most {MAX_BIASED_TOKENS} token ids (as strings) mapped to numbers in '
                    f'[-{MAX_BIAS:g}, {MAX_BIAS:g}], like {{"50256": -100}}'),
-    "stream_options": 'an object like {"include_usage": true}',
+    "stream_options": 'an object like {"include_usage": true, "continuous_usage_stats": false}',
     "n": f"an integer in [1, {MAX_CHOICES}]",
     "max_tokens": f"null or an integer in [1, {MAX_TOKENS}] (0 with echo)",
     "max_completion_tokens": f"null or an integer in [1, {MAX_TOKENS}]",
@@ -101,6 +102,7 @@ class ProtocolError(Exception):
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM's: with include_usage, usage in every chunk too
 
 
 class _Request(Struct, kw_only=True):

@@ -194,6 +194,26 @@ def test_raw_sse_framing(server):
     assert text == full.choices[0].message.content
 
 
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(server):
+    body = {"model": model_name(server), "prompt": ["Hi", "Once upon a time"], "max_tokens": 6, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    status, _, raw = asyncio.run(_raw_stream(server.url + "/completions", body))
+    assert status == 200, raw
+    chunks = [json.loads(e[len(b"data: "):]) for e in raw.split(b"\n\n")[:-2]]
+    *content, final = chunks
+    tokens = {0: 0, 1: 0}
+    for c in content:
+        i, u = c["choices"][0]["index"], c["usage"]
+        assert u["completion_tokens"] >= tokens[i] and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+        tokens[i] = u["completion_tokens"]
+        if c["choices"][0]["finish_reason"]:
+            assert u["completion_tokens"] == 6
+    prompts = {c["choices"][0]["index"]: c["usage"]["prompt_tokens"] for c in content}
+    assert final["choices"] == [] and final["usage"] == {
+        "prompt_tokens": sum(prompts.values()), "completion_tokens": 12, "total_tokens": sum(prompts.values()) + 12}
+    assert prompts[0] < prompts[1]
+
+
 def test_stream_without_usage_has_no_usage_chunk(server):
     body = {"model": model_name(server), "prompt": "Hi", "max_tokens": 4, "temperature": 0, "stream": True}
     status, _, raw = asyncio.run(_raw_stream(server.url + "/completions", body))
