@@ -564,11 +564,23 @@ async def handle_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=False)
 
 
+def _model(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "specserve",
+            "root": state.cfg.target.path, "parent": None, "max_model_len": state.async_engine.max_model_len}
+
+
 async def handle_models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    model = {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "specserve",
-             "root": state.cfg.target.path, "parent": None, "max_model_len": state.async_engine.max_model_len}
-    return web.Response(body=_json.encode({"object": "list", "data": [model]}), content_type="application/json")
+    body = {"object": "list", "data": [_model(request.app[STATE])]}
+    return web.Response(body=_json.encode(body), content_type="application/json")
+
+
+async def handle_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{model}: the served model, or a 404 naming the one asked for."""
+    state, name = request.app[STATE], request.match_info["model"]
+    if name != state.model_name:
+        raise ApiError(404, f"the model '{name}' does not exist; this server serves '{state.model_name}'", "model",
+                       code="model_not_found")
+    return web.Response(body=_json.encode(_model(state)), content_type="application/json")
 
 
 async def handle_health(request: web.Request) -> web.Response:
@@ -679,6 +691,7 @@ def create_app(engine: LLMEngine | EngineCoreClient | EngineGroup, cfg: EngineCo
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_post("/v1/completions", handle_completions)
     app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/v1/models/{model:.+}", handle_model)   # a name may hold "/"
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
     app.router.add_get("/stats", handle_stats)

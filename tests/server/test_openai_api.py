@@ -7,6 +7,8 @@ import json
 import urllib.request
 
 import aiohttp
+import openai
+import pytest
 
 from specserve.sampling import SamplingParams
 from tests.server.conftest import MAX_MODEL_LEN
@@ -29,6 +31,15 @@ def test_models_lists_the_target(server, server_target):
     assert [m.id for m in models] == [server_target.name]
     assert models[0].owned_by == "specserve"
     assert models[0].model_extra["root"] == str(server_target)
+
+
+def test_a_model_is_retrieved_by_name(server, server_target):
+    client = server.client()
+    model = client.models.retrieve(server_target.name)
+    assert model.id == server_target.name and model.owned_by == "specserve"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("org/other-model")
+    assert "'org/other-model' does not exist" in str(e.value) and e.value.body["code"] == "model_not_found"
 
 
 def test_health(server):
