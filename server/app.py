@@ -641,6 +641,15 @@ async def handle_set_speculation(request: web.Request) -> web.Response:
 
 
 @web.middleware
+async def _auth(request: web.Request, handler):
+    why = protocol.api_key_refusal(request.path, request.headers.get("Authorization"),
+                                   request.app[STATE].cfg.server.api_key)
+    if why is not None:
+        raise ApiError(401, why, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return await handler(request)
+
+
+@web.middleware
 async def _errors(request: web.Request, handler):
     """Errors as JSON, never a stack trace: aiohttp's own 404/405 included."""
     try:
@@ -674,7 +683,7 @@ def create_app(engine: LLMEngine | EngineCoreClient | EngineGroup, cfg: EngineCo
                         async_engine=backend,
                         max_token_bytes=max(len(t.encode("utf-8", "replace")) for t in tokenizer.get_vocab()),
                         token_text=logprobs_json.TokenText(tokenizer))
-    app = web.Application(middlewares=[_errors], client_max_size=protocol.MAX_BODY_BYTES)
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=protocol.MAX_BODY_BYTES)
     app[STATE] = state
 
     async def start_engine(app: web.Application) -> None:

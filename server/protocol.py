@@ -10,6 +10,7 @@ send them.
 
 from __future__ import annotations
 
+import hmac
 import re
 from typing import Annotated, Any
 
@@ -92,6 +93,18 @@ NOT_IMPLEMENTED = {
     "detokenize": (None, True),
 }
 NOT_IMPLEMENTED_IN_CHAT = {"echo": (None, False), "chat_template": (None,)}   # no templates from requests
+
+
+def api_key_refusal(path: str, authorization: str | None, api_key: str | None) -> str | None:
+    """Why a request may not use `path` ([server] api_key set and the API's routes, /v1/ and
+    /admin/, asked for without `Authorization: Bearer <key>`), else None."""
+    if api_key is None or not path.startswith(("/v1/", "/admin/")):
+        return None
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode()):
+        return None
+    return ("this server needs an API key: send `Authorization: Bearer <key>`" if not authorization
+            else "the API key given is not this server's")
 
 
 class ProtocolError(Exception):

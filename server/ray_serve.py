@@ -123,6 +123,7 @@ class EngineReplica:
 
         cfg = config_mod.from_dict(config_data, source="ray replica")
         cfg.server.engine_process = False   # the replica's process is this engine's process
+        cfg.server.api_key = None           # the ingress checks it
         app = create_app(LLMEngine(cfg, progress=False), cfg)
         self.runner = make_runner(app)
         await self.runner.setup()
@@ -161,8 +162,8 @@ class Ingress:
     """The OpenAI routes at Ray Serve's HTTP proxy, each request to one EngineReplica. It counts
     the responses it is sending, so that a shutdown can wait for them (`drain`)."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, engine, api_key: str | None = None):
+        self.engine, self.api_key = engine, api_key
         self.streams: set = set()   # the replica streams of the responses being sent
         self.draining = False
         self.cut = False   # the drain's time ran out: what is left ends with an error event
@@ -170,13 +171,20 @@ class Ingress:
     async def __call__(self, request):
         from starlette.responses import JSONResponse, StreamingResponse
 
+        from specserve.server.protocol import api_key_refusal
+
         if self.draining:
             return JSONResponse(_error("the server is shutting down; retry on another", "shutting_down"),
                                 status_code=503)
-        path, body = request.url.path, await request.body()
+        path = request.url.path
         root = request.scope.get("root_path", "")   # the application's route prefix
         if root and path.startswith(root):
             path = path[len(root):] or "/"
+        if (why := api_key_refusal(path, request.headers.get("authorization"), self.api_key)) is not None:
+            return JSONResponse({"error": {"message": why, "type": "invalid_request_error", "param": None,
+                                           "code": "invalid_api_key"}}, status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        body = await request.body()
         stream = self.engine.options(stream=True).remote(path, body, request.method)
         self.streams.add(stream)
         try:
@@ -273,4 +281,4 @@ def build_app(config_data: dict, replicas: int, max_replicas: int | None = None,
         request_router_config={"request_router_class": PrefixAffinityRouter}, **scaling)
     ingress = serve.deployment(Ingress, name="specserve-ingress", num_replicas=1, max_ongoing_requests=4096,
                                ray_actor_options={"num_cpus": 0})
-    return ingress.bind(engine.bind(config_data))
+    return ingress.bind(engine.bind(config_data), config_data.get("server", {}).get("api_key"))

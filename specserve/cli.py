@@ -82,7 +82,8 @@ def cmd_serve(args) -> int:
     cfg = _engine_config(args)
     cfg = config_mod.with_overrides(cfg, host=args.host, port=args.port, admin_api=True if args.admin_api else None,
                                     shutdown_timeout_s=args.shutdown_timeout,
-                                    engine_process=False if args.engine_thread else None, engines=args.engines)
+                                    engine_process=False if args.engine_thread else None, engines=args.engines,
+                                    api_key=os.environ.get("SPECSERVE_API_KEY") or None)
     if args.ray:
         from specserve.server.ray_serve import serve_on_ray
 

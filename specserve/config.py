@@ -106,6 +106,9 @@ class ServerConfig(_Section):
     # GET/POST /admin/speculation: read or switch the speculation setting of the running
     # server. Off by default: it changes how every client is served.
     admin_api: bool = False
+    # Clients must send `Authorization: Bearer <api_key>` on /v1/ and /admin/ routes (/health,
+    # /metrics and the chat page stay open). `specserve serve` takes $SPECSERVE_API_KEY.
+    api_key: str | None = None
 
 
 class CpuConfig(_Section):

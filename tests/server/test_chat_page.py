@@ -97,3 +97,44 @@ def test_stop_aborts_the_request_and_frees_its_blocks(server, browser, tmp_path)
             engine.pool.check_all_free()
     finally:
         engine.step = real_step
+
+
+def test_the_page_asks_for_the_api_key_of_a_server_that_has_one(server_target, browser, tmp_path):
+    from specserve.engine import LLMEngine
+    from tests.server.conftest import ServerThread, engine_config
+
+    cfg = engine_config(server_target, "none", api_key="s3cret")
+    srv = ServerThread(LLMEngine(cfg, progress=False), cfg)
+    try:
+        browser.get(srv.base + "/")
+        with screenshot_on_failure(browser, tmp_path / "chat_page_key.png"):
+            browser.find_element("id", "max-tokens").clear()
+            browser.find_element("id", "max-tokens").send_keys("8")
+            browser.find_element("id", "prompt").send_keys("Once upon a time")
+            browser.find_element("id", "send").click()
+            assert wait_until(lambda: _alert(browser) is not None, timeout=10), "the page did not ask for the key"
+            alert = _alert(browser)
+            alert.send_keys("s3cret")
+            alert.accept()
+            assert wait_until(lambda: text(browser, "status").startswith("done"), timeout=30), text(browser, "status")
+            assert int(text(browser, "ntokens")) == 8
+            # Kept for the tab: the next message asks nothing.
+            browser.find_element("id", "prompt").send_keys("And then")
+            browser.find_element("id", "send").click()
+            assert wait_until(lambda: text(browser, "status") == "streaming…" or text(browser, "status").startswith(
+                "done"), timeout=10)
+            assert _alert(browser) is None
+            assert wait_until(lambda: text(browser, "status").startswith("done"), timeout=30), text(browser, "status")
+    finally:
+        srv.stop()
+
+
+def _alert(driver):
+    from selenium.common.exceptions import NoAlertPresentException
+
+    try:
+        alert = driver.switch_to.alert
+        alert.text   # raises when there is none
+        return alert
+    except NoAlertPresentException:
+        return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.error
 import urllib.request
 
 import aiohttp
@@ -299,3 +300,30 @@ def test_add_special_tokens_defaults_by_route_and_can_be_set(server_target):
     assert ids(False)[0] == bos and ids(False, add_special_tokens=False)[0] != bos
     assert ids(False)[1:] == ids(False, add_special_tokens=False)
     assert ids(True).count(bos) == 1 and ids(True, add_special_tokens=True)[:2] == [bos, bos]
+
+
+def test_an_api_key_guards_the_api_routes_and_only_those(server_target):
+    from specserve.engine import LLMEngine
+    from tests.server.conftest import ServerThread, engine_config
+
+    cfg = engine_config(server_target, "none", api_key="s3cret")
+    srv = ServerThread(LLMEngine(cfg, progress=False), cfg)
+    try:
+        for key in (None, "wrong"):
+            req = urllib.request.Request(srv.url + "/models", headers={"Authorization": f"Bearer {key}"} if key else {})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req)
+            body = json.loads(e.value.read())
+            assert e.value.code == 401 and e.value.headers["WWW-Authenticate"] == "Bearer"
+            assert body["error"]["code"] == "invalid_api_key"
+            assert ("needs an API key" if key is None else "not this server's") in body["error"]["message"]
+        with pytest.raises(openai.AuthenticationError):
+            srv.client().completions.create(model=server_target.name, prompt="Hi", max_tokens=2)
+        client = openai.OpenAI(base_url=srv.url, api_key="s3cret", max_retries=0)
+        assert client.completions.create(model=server_target.name, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        for path in ("/health", "/metrics", "/", "/stats"):   # open: probes, scrapers, the page
+            with urllib.request.urlopen(srv.base + path) as r:
+                assert r.status == 200
+        srv.engine.pool.check_all_free()
+    finally:
+        srv.stop()

@@ -138,6 +138,44 @@ def test_the_router_prefers_the_prefix_owner_unless_it_is_much_busier():
     assert choose(shared + "four") == [[b], [a, b]]
 
 
+def test_the_ingress_asks_for_the_api_key_before_a_replica_sees_the_request():
+    """Ingress on a stand-in replica: with [server] api_key set, /v1/ needs the key (a 401 that
+    never reaches a replica), /health does not; the replicas' own servers check no key."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from specserve.server.ray_serve import Ingress
+
+    reached = []
+
+    class Replica:
+        def options(self, stream):
+            return self
+
+        def remote(self, path, body, method):
+            reached.append(path)
+
+            async def answer():
+                yield 200, "application/json", "r0"
+                yield b"{}"
+            return answer()
+
+    def call(path: str, key: str | None) -> int:
+        headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+
+        async def receive():
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": path, "headers": headers, "query_string": b"",
+                 "root_path": ""}
+        return asyncio.run(Ingress(Replica(), api_key="s3cret")(Request(scope, receive))).status_code
+
+    assert [call("/v1/completions", None), call("/v1/completions", "wrong"), call("/v1/completions", "s3cret"),
+            call("/health", None)] == [401, 401, 200, 200]
+    assert reached == ["/v1/completions", "/health"]
+
+
 def test_a_killed_replica_ends_its_streams_and_the_service_answers(ray_base):
     import ray
 
