@@ -108,7 +108,7 @@ class ServerConfig(_Section):
     admin_api: bool = False
     # Clients must send `Authorization: Bearer <api_key>` on /v1/ and /admin/ routes (/health,
     # /metrics and the chat page stay open). `specserve serve` takes $SPECSERVE_API_KEY.
-    api_key: str | None = None
+    api_key: Annotated[str, Meta(min_length=1)] | None = None
 
 
 class CpuConfig(_Section):
