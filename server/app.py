@@ -597,6 +597,31 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
+def _allowed_origin(request: web.Request) -> str | None:
+    origin, allowed = request.headers.get("Origin"), request.app[STATE].cfg.server.allowed_origins
+    return origin if origin is not None and ("*" in allowed or origin in allowed) else None
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """Before any response's headers go out (streams included): let an allowed origin read it."""
+    if (origin := _allowed_origin(request)) is not None:
+        response.headers["Access-Control-Allow-Origin"] = origin
+        response.headers["Vary"] = "Origin"
+
+
+async def handle_preflight(request: web.Request) -> web.Response:
+    """OPTIONS from a browser asking whether its page may POST here (CORS): 204 for an allowed
+    origin, 403 otherwise."""
+    if _allowed_origin(request) is None:
+        raise ApiError(403, f"the origin {request.headers.get('Origin')!r} may not call this server "
+                            "([server] allowed_origins)", code="origin_not_allowed")
+    return web.Response(status=204, headers={
+        "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+        "Access-Control-Allow-Headers": request.headers.get("Access-Control-Request-Headers",
+                                                            "Authorization, Content-Type"),
+        "Access-Control-Max-Age": "600"})
+
+
 async def handle_page(request: web.Request) -> web.Response:
     return web.Response(body=_PAGE, content_type="text/html", charset="utf-8")
 
@@ -642,6 +667,8 @@ async def handle_set_speculation(request: web.Request) -> web.Response:
 
 @web.middleware
 async def _auth(request: web.Request, handler):
+    if request.method == "OPTIONS":   # a CORS preflight: browsers send no credentials with it
+        return await handler(request)
     why = protocol.api_key_refusal(request.path, request.headers.get("Authorization"),
                                    request.app[STATE].cfg.server.api_key)
     if why is not None:
@@ -705,6 +732,9 @@ def create_app(engine: LLMEngine | EngineCoreClient | EngineGroup, cfg: EngineCo
     app.router.add_get("/metrics", handle_metrics)
     app.router.add_get("/stats", handle_stats)
     app.router.add_get("/", handle_page)
+    if cfg.server.allowed_origins:
+        app.router.add_route("OPTIONS", "/{path:.*}", handle_preflight)
+        app.on_response_prepare.append(_cors_headers)
     if cfg.server.admin_api:
         app.router.add_get("/admin/speculation", handle_get_speculation)
         app.router.add_post("/admin/speculation", handle_set_speculation)

@@ -109,6 +109,9 @@ class ServerConfig(_Section):
     # Clients must send `Authorization: Bearer <api_key>` on /v1/ and /admin/ routes (/health,
     # /metrics and the chat page stay open). `specserve serve` takes $SPECSERVE_API_KEY.
     api_key: Annotated[str, Meta(min_length=1)] | None = None
+    # Web pages of these origins may call the API from a browser (CORS), e.g.
+    # ["http://localhost:3000"], or ["*"] for any; none by default (the chat page is this origin).
+    allowed_origins: list[str] = []
 
 
 class CpuConfig(_Section):

@@ -138,3 +138,39 @@ def _alert(driver):
         return alert
     except NoAlertPresentException:
         return None
+
+
+def test_a_page_of_an_allowed_origin_streams_from_the_api_and_others_cannot(server_target, browser, tmp_path):
+    """CORS in a real browser: a page served from another port (another origin) fetches a
+    stream with an API key (a preflighted request); the same page on an origin not allowed
+    gets a network error."""
+    import functools
+    import http.server
+    import threading
+
+    from specserve.engine import LLMEngine
+    from tests.server.conftest import ServerThread, engine_config
+
+    (tmp_path / "app.html").write_text("""<pre id="out">waiting</pre><script>
+      fetch(location.hash.slice(1) + "/v1/completions", {method: "POST",
+        headers: {"Content-Type": "application/json", "Authorization": "Bearer s3cret"},
+        body: JSON.stringify({prompt: "Once upon a time", max_tokens: 5, temperature: 0, stream: true})})
+      .then(r => r.text()).then(t => { document.getElementById("out").textContent = t; })
+      .catch(e => { document.getElementById("out").textContent = "failed: " + e; });
+    </script>""")
+    pages = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path)))
+    threading.Thread(target=pages.serve_forever, daemon=True).start()
+    allowed = f"http://127.0.0.1:{pages.server_address[1]}"
+    cfg = engine_config(server_target, "none", api_key="s3cret", allowed_origins=[allowed])
+    srv = ServerThread(LLMEngine(cfg, progress=False), cfg)
+    try:
+        with screenshot_on_failure(browser, tmp_path / "cors.png"):
+            for origin, works in ((allowed, True), (allowed.replace("127.0.0.1", "localhost"), False)):
+                browser.get(f"{origin}/app.html#{srv.base}")
+                assert wait_until(lambda: text(browser, "out") != "waiting", timeout=20)
+                out = text(browser, "out")
+                assert out.rstrip().endswith("data: [DONE]") if works else out.startswith("failed"), (origin, out)
+    finally:
+        srv.stop()
+        pages.shutdown()

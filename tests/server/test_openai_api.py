@@ -327,3 +327,42 @@ def test_an_api_key_guards_the_api_routes_and_only_those(server_target):
         srv.engine.pool.check_all_free()
     finally:
         srv.stop()
+
+
+def test_cors_answers_allowed_origins_only(server_target, server):
+    from specserve.engine import LLMEngine
+    from tests.server.conftest import ServerThread, engine_config
+
+    def call(srv, method, path, headers, body=None):
+        req = urllib.request.Request(srv.base + path, method=method, headers=headers,
+                                     data=json.dumps(body).encode() if body else None)
+        try:
+            with urllib.request.urlopen(req) as r:
+                return r.status, r.headers, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, e.read()
+
+    preflight = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    status, headers, _ = call(server, "OPTIONS", "/v1/completions", preflight)   # none allowed by default
+    assert status == 405 and "Access-Control-Allow-Origin" not in headers
+    cfg = engine_config(server_target, "none", api_key="s3cret", allowed_origins=["http://app.example"])
+    srv = ServerThread(LLMEngine(cfg, progress=False), cfg)
+    try:
+        status, headers, _ = call(srv, "OPTIONS", "/v1/completions", preflight)   # no key needed for it
+        assert status == 204 and headers["Access-Control-Allow-Origin"] == "http://app.example"
+        assert headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+        assert "POST" in headers["Access-Control-Allow-Methods"]
+        status, headers, _ = call(srv, "OPTIONS", "/v1/completions", {**preflight, "Origin": "http://evil.example"})
+        assert status == 403 and "Access-Control-Allow-Origin" not in headers
+        body = {"prompt": "Hi", "max_tokens": 3, "stream": True}
+        key = {"Authorization": "Bearer s3cret", "Content-Type": "application/json"}
+        status, headers, raw = call(srv, "POST", "/v1/completions", {**key, "Origin": "http://app.example"}, body)
+        assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://app.example"
+        assert raw.endswith(b"data: [DONE]\n\n")
+        status, headers, _ = call(srv, "POST", "/v1/completions", {"Origin": "http://app.example"}, body)
+        assert status == 401 and headers["Access-Control-Allow-Origin"] == "http://app.example"  # readable
+        status, headers, _ = call(srv, "POST", "/v1/completions", {**key, "Origin": "http://evil.example"}, body)
+        assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    finally:
+        srv.stop()
