@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import os
 import sys
@@ -83,7 +84,8 @@ def cmd_serve(args) -> int:
     cfg = config_mod.with_overrides(cfg, host=args.host, port=args.port, admin_api=True if args.admin_api else None,
                                     shutdown_timeout_s=args.shutdown_timeout,
                                     engine_process=False if args.engine_thread else None, engines=args.engines,
-                                    api_key=os.environ.get("SPECSERVE_API_KEY") or None)
+                                    api_key=os.environ.get("SPECSERVE_API_KEY") or None,
+                                    served_model_name=args.served_model_name)
     if args.ray:
         from specserve.server.ray_serve import serve_on_ray
 
@@ -115,12 +117,15 @@ def cmd_calibrate(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specserve", description="speculative-decoding inference service")
+    parser.add_argument("--version", action="version", version=f"specserve {importlib.metadata.version('specserve')}")
     sub = parser.add_subparsers(dest="command")
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (default: the embedded pair)")
     _add_engine_args(p)
     p.add_argument("--host")
     p.add_argument("--port", type=int)
+    p.add_argument("--served-model-name", help="the model's name in the API, e.g. the Hugging Face id clients "
+                   "send (default: the target directory's name; sets [server] served_model_name)")
     p.add_argument("--shutdown-timeout", type=float, help="seconds SIGTERM waits for requests in flight")
     p.add_argument("--admin-api", action="store_true",
                    help="serve GET/POST /admin/speculation, to switch between adaptive and a static depth "

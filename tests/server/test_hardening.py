@@ -516,10 +516,11 @@ def test_overload_is_429_and_loses_nothing(server_target):
 
 
 def test_sigterm_drain_timeout_ends_every_stream_with_an_error_and_done(server_target):
-    proc, port, _ = start_server_process(server_target, "--shutdown-timeout", "0.2")
+    proc, port, _ = start_server_process(server_target, "--shutdown-timeout", "0.2",
+                                         "--served-model-name", "org/tiny-model")   # the name clients send
     try:
         threading.Thread(target=lambda: list(proc.stderr), daemon=True).start()
-        body = {"model": server_target.name, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+        body = {"model": "org/tiny-model", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
 
         async def go():
             async def one(prompt):
