@@ -203,16 +203,18 @@ class Speculator:
             except Exception as e:
                 self.failed[req.request_id] = f"building this request's rows failed: {e!r}"
                 continue
-            # Prompt logprobs: the row of position p scores prompt token p + 1.
-            owed = req.prompt_logprobs is not None and len(req.prompt_logprobs) == start + 1
-            num_scored = max(0, min(m, req.num_prompt_tokens - 1 - start)) if owed else 0
+            # Prompt logprobs: the row of position p scores prompt token p + 1, and `first` is the
+            # position of the next token owed. A request preempted by recompute computes its
+            # prompt again from 0, and is scored from where its list stops.
+            first = len(req.prompt_logprobs) - 1 if req.prompt_logprobs is not None else -1
+            num_scored = max(0, min(start + m, req.num_prompt_tokens - 1) - first) if first >= start else 0
             if num_scored:
                 scored.append((req, len(inp.logit_rows), num_scored))
             if s.is_decode:
                 verified.append(_Verified(s, tree, len(inp.logit_rows) + num_scored))
             inp.add(*rows, req.block_table, start + m + tree.num_nodes,
-                    logit_rows=list(range(num_scored)) + (list(range(m - 1, m + tree.num_nodes))
-                                                          if s.is_decode else []),
+                    logit_rows=list(range(first - start, first - start + num_scored))
+                    + (list(range(m - 1, m + tree.num_nodes)) if s.is_decode else []),
                     mask=None if tree.is_chain else tree.verify_mask())   # trees: m == 1
 
         # One target forward, then acceptance and the commit of KV and tokens.

@@ -1,8 +1,8 @@
 """Logprobs are the target's: at every emitted position they equal transformers'
 log_softmax of the target's logits (float64), with speculation off and on (n-gram and model
 drafters, chains and trees); prompt logprobs likewise, across chunked prefill and a prefix-cache
-hit. They come from the rows the verify pass computes anyway, and stay aligned with the tokens
-when a stop cuts an accepted run."""
+hit and a preemption mid-prompt. They come from the rows the verify pass computes anyway, and
+stay aligned with the tokens when a stop cuts an accepted run."""
 
 from __future__ import annotations
 
@@ -100,6 +100,22 @@ def test_prompt_logprobs_across_chunks_and_a_prefix_cache_hit(models, hf, draft)
         assert abs(lp - ref[p - 1, prompt[p]].item()) < TOL
         assert [t for t, _ in top] == ref[p - 1].topk(2).indices.tolist()
     assert out.logprobs is None
+
+
+def test_prompt_logprobs_of_a_request_preempted_mid_prompt_are_whole(models, hf):
+    """A pool of 5 blocks of 4: the long prompt is preempted while prefilling (its blocks go to
+    the request ahead of it) and computed again from 0; its prompt logprobs carry on from where
+    they stopped, neither cut short nor repeated."""
+    llm = make_llm(models, "none", num_blocks=5, max_num_batched_tokens=6, enable_prefix_caching=False)
+    prompt = list(range(100, 114))
+    ahead = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    asked = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    out = llm.generate([[5, 6, 7], prompt], [ahead, asked])[1]
+    assert out.stats.num_preemptions > 0
+    ref = reference_logprobs(hf, prompt)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    assert all(abs(out.prompt_logprobs[p][0] - ref[p - 1, prompt[p]].item()) < TOL for p in range(1, len(prompt)))
+    llm.engine.pool.check_all_free()
 
 
 def test_max_tokens_zero_scores_the_prompt_only(models, hf):
