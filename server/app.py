@@ -333,9 +333,9 @@ class _Run:
         """The logprobs object for choice i's tokens not sent yet (and its prompt's, for echo);
         None where the request did not ask for them."""
         c = self.choices[i]
-        with_prompt = with_prompt and c.params.prompt_logprobs is not None
-        if c.params.logprobs is None and not with_prompt:
+        if c.params.logprobs is None:   # an echo of max_tokens 0 computes prompt logprobs unasked
             return None
+        with_prompt = with_prompt and c.params.prompt_logprobs is not None
         entries, tokens = [], []
         if with_prompt:
             entries, tokens = out.prompt_logprobs[:len(c.prompt_ids)], list(c.prompt_ids)

@@ -520,7 +520,7 @@ class EngineGroup:
         snaps = [{**c.snapshot(), "routed": self.routed[i]} for i, c in enumerate(self.cores)]
         total = dict(snaps[0])
         for key in ("running", "waiting", "blocks_held", "prefix_cache_queries", "prefix_cache_hits", "restarts",
-                    "failed", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "routed"):
+                    "failed", "preemptions", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "routed"):
             total[key] = sum(s.get(key, 0) for s in snaps)
         total["kv_usage"] = sum(s.get("kv_usage", 0.0) for s in snaps) / len(snaps)
         width = max(len(s.get("accepted_per_position", [])) for s in snaps)

@@ -372,6 +372,7 @@ class LLMEngine:
             "prefix_cache_queries": self.pool.prefix_cache_query_tokens,
             "prefix_cache_hits": self.pool.prefix_cache_hit_tokens,
             "restarts": self.num_restarts, "failed": self.num_failed, "speculation": self.speculation(),
+            "preemptions": self.scheduler.num_preemptions,
             "num_drafts": totals.num_drafts, "num_draft_tokens": totals.num_draft_tokens,
             "num_accepted_tokens": totals.num_accepted_tokens,
             "accepted_per_position": list(totals.accepted_per_position),

@@ -34,6 +34,8 @@ class _EngineCollector:
             (G, "specserve_kv_cache_usage_perc", "kv_usage", "Fraction of KV pool blocks held (0..1)."),
             (C, "specserve_engine_restarts", "restarts", "Times the engine was restarted after its loop or process died."),
             (C, "specserve_requests_failed", "failed", "Requests the engine failed alone (an error of theirs)."),
+            (C, "specserve_num_preemptions", "preemptions",
+             "Requests preempted when KV blocks ran out (their blocks dropped, their tokens recomputed later)."),
             (C, "specserve_spec_num_drafts", "num_drafts", "Speculative steps (a tree proposed and verified)."),
             (C, "specserve_spec_num_draft_tokens", "num_draft_tokens", "Draft tokens (tree nodes) proposed."),
             (C, "specserve_spec_num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted."),

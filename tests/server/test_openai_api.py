@@ -43,6 +43,17 @@ def test_a_model_is_retrieved_by_name(server, server_target):
     assert "'org/other-model' does not exist" in str(e.value) and e.value.body["code"] == "model_not_found"
 
 
+def test_an_echo_alone_has_logprobs_only_when_asked(server, server_target):
+    client = server.client()
+    for stream in (False, True):
+        kw = dict(model=server_target.name, prompt="Hello there", max_tokens=0, echo=True, stream=stream)
+        plain, asked = (client.completions.create(**kw), client.completions.create(**kw, logprobs=1))
+        if stream:
+            plain, asked = list(plain)[0], list(asked)[0]
+        assert plain.choices[0].text == "Hello there" and plain.choices[0].logprobs is None
+        assert asked.choices[0].logprobs.tokens and asked.choices[0].logprobs.token_logprobs[0] is None
+
+
 def test_health(server):
     with urllib.request.urlopen(server.base + "/health") as r:
         assert r.status == 200
