@@ -129,8 +129,11 @@ class Scheduler:
             if num_new > budget:
                 # Without chunking a prompt waits for a step with room for all of it; one longer
                 # than the whole budget (or a preempted request's prompt + output) never gets
-                # one, so it is chunked anyway rather than left waiting forever.
+                # one, so it is chunked anyway rather than left waiting forever. A request that
+                # waits holds no blocks: its prefix-cache hits go back (they are found again),
+                # else a request preempted to the queue's front could wait on them for ever.
                 if not self.config.enable_chunked_prefill and num_new <= self.config.max_num_batched_tokens:
+                    self._free_blocks(req)
                     break
                 num_new = budget
             if not self._reserve(req, req.num_computed_tokens + num_new):

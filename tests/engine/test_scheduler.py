@@ -230,3 +230,29 @@ def test_each_request_gets_the_nodes_the_plan_gives_it():
     out = sched.schedule({"a": 3, "c": 1})
     assert [(s.request.request_id, s.num_spec_nodes) for s in out.seqs] == [("a", 3), ("b", 0), ("c", 1)]
     assert all(not s.is_prefill for s in out.seqs)
+
+
+def test_a_waiting_request_holds_no_prefix_hits_that_the_queue_front_needs():
+    """Without chunked prefill, a request with prefix-cache hits that waits for a step with room
+    for its whole prompt gives the hits back: otherwise a request preempted to the queue's front,
+    needing every block, waited on them for ever (and so did the one holding them)."""
+    pool = KVPool(6, 2, enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=6, enable_chunked_prefill=False), pool, 64,
+                      has_draft_kv=False)
+    first = Request("first", [1] * 5, SamplingParams(max_tokens=1), [])   # leaves [1, 1, 1, 1] cached
+    sched.add(first)
+    advance(sched, sched.schedule())
+    assert first.is_finished
+    whole = Request("whole", [2] * 5, SamplingParams(max_tokens=7), [])   # 12 tokens: the whole pool
+    sched.add(whole)
+    advance(sched, sched.schedule())
+    hits = Request("hits", [1] * 4 + [9] * 6, SamplingParams(max_tokens=1), [])   # 4 cached, 6 new
+    sched.add(hits)
+    for _ in range(40):
+        out = sched.schedule()
+        assert all(not r.block_table for r in sched.waiting), "a waiting request holds blocks"
+        advance(sched, out)
+        if not sched.has_unfinished():
+            break
+    assert whole.is_finished and hits.is_finished
+    pool.check_all_free()
