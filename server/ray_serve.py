@@ -66,7 +66,7 @@ def _make_router_class():
 
     class PrefixAffinityRouter(RequestRouter):
         """The replica that served the longest prefix of the prompt, unless it is `slack`
-        requests busier than the least loaded; then every replica (the least queued wins)."""
+        requests busier than the least loaded; else the least loaded (requests in flight)."""
 
         def initialize_state(self, slack: int = 4, **kwargs):
             self.slack = slack
@@ -85,7 +85,9 @@ def _make_router_class():
                     if owner in by_id and self.inflight.get(owner, 0) <= least + self.slack:
                         return [[by_id[owner]], candidate_replicas]
                     break
-            return [candidate_replicas]
+            # Least load by this router's own counts: Ray's probed queue lengths are cached, and
+            # a burst of requests would all see the same replica as the least queued.
+            return [[r for i, r in by_id.items() if self.inflight.get(i, 0) == least], candidate_replicas]
 
         def on_request_routed(self, pending_request, replica_id, result):
             self.inflight[replica_id] = self.inflight.get(replica_id, 0) + 1

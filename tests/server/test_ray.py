@@ -107,9 +107,9 @@ def test_the_sse_bytes_are_specservers_own(ray_base, cfg):
 
 
 def test_the_router_prefers_the_prefix_owner_unless_it_is_much_busier():
-    """PrefixAffinityRouter's own rule, on stand-in replicas: no owner -> every replica; the
-    replica that served a prompt's prefix first, then every replica; none once that replica
-    has more than `slack` requests beyond the least loaded."""
+    """PrefixAffinityRouter's own rule, on stand-in replicas: no owner -> the least loaded
+    first, then every replica; the replica that served a prompt's prefix first, then every
+    replica; not it once it has more than `slack` requests beyond the least loaded."""
     import asyncio
     from types import SimpleNamespace
 
@@ -127,13 +127,13 @@ def test_the_router_prefers_the_prefix_owner_unless_it_is_much_busier():
         return asyncio.run(router.choose_replicas([a, b], request(prompt)))
 
     shared = "The archive of the river city kept its letters in stone boxes. " * 4
-    assert choose(shared + "one") == [[a, b]]
+    assert choose(shared + "one") == [[a, b], [a, b]]
     router.on_request_routed(request(shared + "one"), "b", None)
     assert choose(shared + "two") == [[b], [a, b]]
-    assert choose("an unrelated prompt " * 10) == [[a, b]]
+    assert choose("an unrelated prompt " * 10) == [[a], [a, b]]   # b has one in flight
     for _ in range(2):
         router.on_request_routed(request("other " * 20), "b", None)
-    assert choose(shared + "three") == [[a, b]], "b has 3 in flight, a none: more than slack 2"
+    assert choose(shared + "three") == [[a], [a, b]], "b has 3 in flight, a none: more than slack 2"
     router.on_request_completed("b", "x")
     assert choose(shared + "four") == [[b], [a, b]]
 
