@@ -46,6 +46,14 @@ def screenshot_on_failure(driver, path):
         raise AssertionError(f"{e} (screenshot: {path})") from e
 
 
+def ask(driver, prompt: str, max_tokens: int) -> None:
+    """Type a prompt with this reply length and press send."""
+    driver.find_element("id", "max-tokens").clear()
+    driver.find_element("id", "max-tokens").send_keys(str(max_tokens))
+    driver.find_element("id", "prompt").send_keys(prompt)
+    driver.find_element("id", "send").click()
+
+
 def text(driver, element_id: str) -> str:
     return driver.find_element("id", element_id).text
 
@@ -54,10 +62,7 @@ def test_a_prompt_streams_a_shaded_reply_and_the_figures_update(server, browser,
     browser.get(server.base + "/")
     with screenshot_on_failure(browser, tmp_path / "chat_page.png"):
         assert browser.title == "specserve"
-        browser.find_element("id", "max-tokens").clear()
-        browser.find_element("id", "max-tokens").send_keys("60")
-        browser.find_element("id", "prompt").send_keys("Once upon a time")
-        browser.find_element("id", "send").click()
+        ask(browser, "Once upon a time", max_tokens=60)
         assert wait_until(lambda: text(browser, "status").startswith("done"), timeout=60), text(browser, "status")
         spans = browser.find_elements("css selector", "#log .assistant span")
         assert spans, "no streamed text appeared"
@@ -84,10 +89,7 @@ def test_stop_aborts_the_request_and_frees_its_blocks(server, browser, tmp_path)
     try:
         browser.get(server.base + "/")
         with screenshot_on_failure(browser, tmp_path / "chat_page_stop.png"):
-            browser.find_element("id", "max-tokens").clear()
-            browser.find_element("id", "max-tokens").send_keys("200")
-            browser.find_element("id", "prompt").send_keys("Tell me a long story")
-            browser.find_element("id", "send").click()
+            ask(browser, "Tell me a long story", max_tokens=200)
             assert wait_until(lambda: browser.find_elements("css selector", "#log .assistant span"), timeout=30)
             assert wait_until(lambda: engine.scheduler.running, timeout=10)
             browser.find_element("id", "stop").click()
@@ -108,10 +110,7 @@ def test_the_page_asks_for_the_api_key_of_a_server_that_has_one(server_target, b
     try:
         browser.get(srv.base + "/")
         with screenshot_on_failure(browser, tmp_path / "chat_page_key.png"):
-            browser.find_element("id", "max-tokens").clear()
-            browser.find_element("id", "max-tokens").send_keys("8")
-            browser.find_element("id", "prompt").send_keys("Once upon a time")
-            browser.find_element("id", "send").click()
+            ask(browser, "Once upon a time", max_tokens=8)
             assert wait_until(lambda: _alert(browser) is not None, timeout=10), "the page did not ask for the key"
             alert = _alert(browser)
             alert.send_keys("s3cret")
