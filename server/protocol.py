@@ -98,7 +98,7 @@ NOT_IMPLEMENTED_IN_CHAT = {"echo": (None, False), "chat_template": (None,)}   # 
 def api_key_refusal(path: str, authorization: str | None, api_key: str | None) -> str | None:
     """Why a request may not use `path` ([server] api_key set and the API's routes, /v1/ and
     /admin/, asked for without `Authorization: Bearer <key>`), else None."""
-    if api_key is None or not path.startswith(("/v1/", "/admin/")):   # a CORS preflight never carries one
+    if api_key is None or not path.startswith(("/v1/", "/admin/")):
         return None
     scheme, _, given = (authorization or "").partition(" ")
     if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode()):

@@ -156,8 +156,8 @@ class EngineReplica:
                 raise RuntimeError(f"replica unhealthy: /health {resp.status}")
 
 
-def _error(message: str, code: str) -> dict:
-    return {"error": {"message": message, "type": "service_unavailable", "param": None, "code": code}}
+def _error(message: str, code: str, type: str = "service_unavailable") -> dict:
+    return {"error": {"message": message, "type": type, "param": None, "code": code}}
 
 
 class Ingress:
@@ -183,8 +183,7 @@ class Ingress:
         if root and path.startswith(root):
             path = path[len(root):] or "/"
         if (why := api_key_refusal(path, request.headers.get("authorization"), self.api_key)) is not None:
-            return JSONResponse({"error": {"message": why, "type": "invalid_request_error", "param": None,
-                                           "code": "invalid_api_key"}}, status_code=401,
+            return JSONResponse(_error(why, "invalid_api_key", "invalid_request_error"), status_code=401,
                                 headers={"WWW-Authenticate": "Bearer"})
         body = await request.body()
         stream = self.engine.options(stream=True).remote(path, body, request.method)
