@@ -8,8 +8,8 @@ the response back in the chunks it was written: the SSE bytes are specserve's ow
 byte. `Ingress` takes the OpenAI routes at Ray Serve's HTTP proxy and calls a replica through
 a deployment handle whose request router (`PrefixAffinityRouter`) prefers the replica that
 served the longest prefix of the request's prompt, unless it has `slack` more requests in
-flight than the least loaded one, and otherwise ranks every replica (Ray then takes the one
-with the shortest queue). Ray Serve replaces a replica that dies; its requests in flight end
+flight than the least loaded one, and otherwise the least loaded (ties in turn); Ray falls
+back to every replica when that one's queue is full. Ray Serve replaces a replica that dies; its requests in flight end
 with an error event and [DONE]. With --max-replicas the replicas scale between the two
 counts on requests in flight per replica (Ray Serve's target_ongoing_requests). SIGTERM
 drains at the Ingress (new requests 503, those in flight finish within the shutdown timeout)
@@ -23,12 +23,14 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import time
 from collections import OrderedDict
 
 logger = logging.getLogger("specserve.ray")
 
 _CHUNK_CHARS = 64          # prefix affinity hashes the prompt text in chunks of this many characters
 _REMEMBERED_CHUNKS = 1 << 16
+_CHOICE_TTL_S = 30.0       # a choice Ray never routed stops counting as load after this long
 
 
 def prompt_text(path: str, body: bytes) -> str:
@@ -61,35 +63,64 @@ def prefix_keys(text: str) -> list[int]:
     return keys
 
 
+def _request_id(pending_request) -> object:
+    metadata = getattr(pending_request, "metadata", None)
+    return getattr(metadata, "internal_request_id", None) or id(pending_request)
+
+
 def _make_router_class():
     from ray.serve.request_router import RequestRouter
 
     class PrefixAffinityRouter(RequestRouter):
         """The replica that served the longest prefix of the prompt, unless it is `slack`
-        requests busier than the least loaded; else the least loaded (requests in flight)."""
+        requests busier than the least loaded; else the least loaded, ties to the one chosen
+        least recently. Load is this router's own count of requests in flight plus those it
+        chose a replica for that Ray has not yet routed: Ray's probed queue lengths are
+        cached, and a burst of requests, all chosen before any is routed, would otherwise
+        all see the same replica as the least queued (and ties go to the first listed)."""
 
         def initialize_state(self, slack: int = 4, **kwargs):
             self.slack = slack
             self.owner: OrderedDict[int, object] = OrderedDict()   # prefix key -> replica id
             self.inflight: dict[object, int] = {}
+            self.choosing: dict[str, tuple[object, float]] = {}    # request id -> (replica id, when chosen)
+            self.last_chosen: dict[object, int] = {}
+            self.choices = 0
+
+        def _load(self, now: float) -> dict[object, int]:
+            load = dict(self.inflight)
+            for rid, (replica, when) in list(self.choosing.items()):
+                if now - when > _CHOICE_TTL_S:   # never routed (cancelled while queued)
+                    del self.choosing[rid]
+                else:
+                    load[replica] = load.get(replica, 0) + 1
+            return load
 
         async def choose_replicas(self, candidate_replicas, pending_request=None):
             if pending_request is None or not candidate_replicas or not pending_request.args:
                 return [candidate_replicas]
             path, body = pending_request.args[0], pending_request.args[1]
             by_id = {r.replica_id: r for r in candidate_replicas}
-            least = min(self.inflight.get(i, 0) for i in by_id)
+            now = time.monotonic()
+            self.choosing.pop(_request_id(pending_request), None)   # a retry chooses again
+            load = self._load(now)
+            least = min(load.get(i, 0) for i in by_id)
+            chosen = None
             for key in reversed(prefix_keys(prompt_text(path, body))):
                 owner = self.owner.get(key)
                 if owner is not None:
-                    if owner in by_id and self.inflight.get(owner, 0) <= least + self.slack:
-                        return [[by_id[owner]], candidate_replicas]
+                    if owner in by_id and load.get(owner, 0) <= least + self.slack:
+                        chosen = owner
                     break
-            # Least load by this router's own counts: Ray's probed queue lengths are cached, and
-            # a burst of requests would all see the same replica as the least queued.
-            return [[r for i, r in by_id.items() if self.inflight.get(i, 0) == least], candidate_replicas]
+            if chosen is None:
+                chosen = min((i for i in by_id if load.get(i, 0) == least), key=lambda i: self.last_chosen.get(i, -1))
+            self.choices += 1
+            self.last_chosen[chosen] = self.choices
+            self.choosing[_request_id(pending_request)] = (chosen, now)
+            return [[by_id[chosen]], candidate_replicas]
 
         def on_request_routed(self, pending_request, replica_id, result):
+            self.choosing.pop(_request_id(pending_request), None)
             self.inflight[replica_id] = self.inflight.get(replica_id, 0) + 1
             if pending_request is not None and len(pending_request.args) >= 2:
                 for key in prefix_keys(prompt_text(pending_request.args[0], pending_request.args[1])):
@@ -99,11 +130,13 @@ def _make_router_class():
                     self.owner.popitem(last=False)
 
         def on_request_completed(self, replica_id, internal_request_id):
+            self.choosing.pop(internal_request_id, None)
             self.inflight[replica_id] = max(0, self.inflight.get(replica_id, 0) - 1)
 
         def on_replica_actor_died(self, replica_id):
             super().on_replica_actor_died(replica_id)
             self.inflight.pop(replica_id, None)
+            self.choosing = {rid: c for rid, c in self.choosing.items() if c[0] != replica_id}
             for key in [k for k, v in self.owner.items() if v == replica_id]:
                 del self.owner[key]
 

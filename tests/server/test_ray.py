@@ -107,10 +107,12 @@ def test_the_sse_bytes_are_specservers_own(ray_base, cfg):
 
 
 def test_the_router_prefers_the_prefix_owner_unless_it_is_much_busier():
-    """PrefixAffinityRouter's own rule, on stand-in replicas: no owner -> the least loaded
-    first, then every replica; the replica that served a prompt's prefix first, then every
-    replica; not it once it has more than `slack` requests beyond the least loaded."""
+    """PrefixAffinityRouter's own rule, on stand-in replicas: no owner -> the least loaded,
+    ties in turn, then every replica; a choice counts as load until Ray routes it or it
+    completes, so a burst chosen before any is routed alternates; the replica that served a
+    prompt's prefix first, unless it has more than `slack` requests beyond the least loaded."""
     import asyncio
+    import itertools
     from types import SimpleNamespace
 
     from specserve.server.ray_serve import _make_router_class
@@ -119,23 +121,40 @@ def test_the_router_prefers_the_prefix_owner_unless_it_is_much_busier():
     router = cls.__new__(cls)
     router.initialize_state(slack=2)
     a, b = SimpleNamespace(replica_id="a"), SimpleNamespace(replica_id="b")
+    ids = itertools.count()
 
     def request(prompt: str):
-        return SimpleNamespace(args=("/v1/completions", json.dumps({"prompt": prompt}).encode()))
+        return SimpleNamespace(args=("/v1/completions", json.dumps({"prompt": prompt}).encode()),
+                               metadata=SimpleNamespace(internal_request_id=f"r{next(ids)}"))
 
-    def choose(prompt: str):
-        return asyncio.run(router.choose_replicas([a, b], request(prompt)))
+    def choose(req):
+        return asyncio.run(router.choose_replicas([a, b], req))
+
+    burst = [request(f"short {i}") for i in range(6)]
+    chosen = [choose(r)[0] for r in burst]
+    assert chosen == [[a], [b]] * 3, "a burst chosen before routing alternates"
+    assert choose(burst[0])[0] == [a], "a retry drops its own earlier choice: a and b tie at 2 again"
+    for r, (replica,) in zip(burst, chosen):
+        router.on_request_routed(r, replica.replica_id, None)
+        router.on_request_completed(replica.replica_id, r.metadata.internal_request_id)
+    assert router.inflight == {"a": 0, "b": 0} and not router.choosing
 
     shared = "The archive of the river city kept its letters in stone boxes. " * 4
-    assert choose(shared + "one") == [[a, b], [a, b]]
-    router.on_request_routed(request(shared + "one"), "b", None)
-    assert choose(shared + "two") == [[b], [a, b]]
-    assert choose("an unrelated prompt " * 10) == [[a], [a, b]]   # b has one in flight
+    one = request(shared + "one")
+    assert choose(one) == [[b], [a, b]], "the burst's retry took a last: b's turn"
+    router.on_request_routed(one, "b", None)
+    assert choose(request(shared + "two")) == [[b], [a, b]], "b served the prefix"
+    unrelated = request("an unrelated prompt " * 10)
+    assert choose(unrelated) == [[a], [a, b]]   # b has one in flight and one chosen
+    router.on_request_completed("a", unrelated.metadata.internal_request_id)
+    router.choosing.clear()
     for _ in range(2):
-        router.on_request_routed(request("other " * 20), "b", None)
-    assert choose(shared + "three") == [[a], [a, b]], "b has 3 in flight, a none: more than slack 2"
+        other = request("other " * 20)
+        router.on_request_routed(other, "b", None)
+    assert choose(request(shared + "three")) == [[a], [a, b]], "b has 3 in flight, a none: more than slack 2"
+    router.choosing.clear()
     router.on_request_completed("b", "x")
-    assert choose(shared + "four") == [[b], [a, b]]
+    assert choose(request(shared + "four")) == [[b], [a, b]]
 
 
 def test_the_ingress_asks_for_the_api_key_before_a_replica_sees_the_request():
