@@ -198,18 +198,20 @@ def test_the_ingress_asks_for_the_api_key_before_a_replica_sees_the_request():
 def test_a_killed_replica_ends_its_streams_and_the_service_answers(ray_base):
     import ray
 
-    results: dict[int, tuple[str, list[str]]] = {}
+    results: dict[int, list[str]] = {}
+    started = threading.Semaphore(0)
     threads = [threading.Thread(target=lambda i=i: results.__setitem__(
-        i, stream(ray_base, PROMPTS[i], max_tokens=200, ignore_eos=True, temperature=0.7))) for i in range(6)]
+        i, stream_announcing(ray_base, PROMPTS[i], started, temperature=0.7))) for i in range(6)]
     for t in threads:
         t.start()
-    time.sleep(0.5)   # every stream running
+    for _ in threads:
+        assert started.acquire(timeout=60)
     replicas = [a for a in ray.util.list_named_actors(all_namespaces=True) if "specserve-engine" in a["name"]]
     assert len(replicas) == 2
     ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=False)
     for t in threads:
         t.join(120)
-    ended = [events for _, events in results.values()]
+    ended = list(results.values())
     assert len(ended) == 6 and all(events[-1] == "[DONE]" for events in ended)
     cut = [events for events in ended if "error" in events[-2]]
     assert cut, "the killed replica's streams should end with an error event"
