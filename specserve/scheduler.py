@@ -3,9 +3,10 @@
 Requests join and leave between steps. Every step has a token budget
 (`max_num_batched_tokens`): running requests go first (oldest first), each taking its
 pending token plus, when speculating, the tree nodes the plan gives it; prompts are
-prefilled in chunks with what is left. When the pool runs out of blocks the scheduler first drops a
-request's speculation, then preempts the youngest running request by recompute (its blocks
-are freed; it re-enters the front of the queue and is prefilled again, prefix cache first).
+prefilled in chunks with what is left. When the pool runs out of blocks the scheduler first
+drops speculation (the request's own, then that of those scheduled before it), then
+preempts the youngest running request by recompute (its blocks are freed; it re-enters the
+front of the queue and is prefilled again, prefix cache first).
 """
 
 from __future__ import annotations
@@ -98,11 +99,16 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             decoding = req.num_computed_tokens + num_new == req.num_tokens
+            # No speculation in a step that preempted: what a preemption frees is for decoding.
             spec = self._spec_nodes(req, spec_nodes.get(req.request_id, 0), budget - num_new) \
-                if decoding and num_new == 1 else 0
+                if decoding and num_new == 1 and not out.preempted else 0
             while not self._reserve(req, req.num_computed_tokens + num_new + spec):
                 if spec:
-                    spec = 0  # speculation goes before anybody is preempted
+                    spec = 0  # speculation goes before anybody is preempted: this request's,
+                    continue
+                dropped = self._drop_speculation(out)   # then that of those scheduled before it
+                if dropped:
+                    budget += dropped
                     continue
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -171,6 +177,20 @@ class Scheduler:
         """Cap the tree so its positions stay inside the context and the step's budget."""
         room = self.max_model_len - req.num_tokens  # node at depth d sits at position num_tokens - 1 + d
         return max(0, min(wanted, room, budget_left))
+
+    def _drop_speculation(self, out: SchedulerOutput) -> int:
+        """Take back the latest speculating sequence's nodes and their scratch blocks (all
+        allocated this step: after `postprocess` no block lies past a sequence's end); the
+        number of nodes taken back, 0 when no sequence speculates."""
+        for seq in reversed(out.seqs):
+            if seq.num_spec_nodes:
+                req, nodes = seq.request, seq.num_spec_nodes
+                seq.num_spec_nodes = 0
+                keep = blocks_needed(req.num_computed_tokens + seq.num_new_tokens, self.pool.block_size)
+                self.pool.free(req.block_table[keep:])
+                del req.block_table[keep:]
+                return nodes
+        return 0
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
         missing = blocks_needed(num_tokens, self.pool.block_size) - len(req.block_table)

@@ -457,6 +457,7 @@ class PoolAndScheduler(RuleBasedStateMachine):
         assert admitted == waiting_before[:len(admitted)], "admission out of queue order"
         if out.preempted:
             assert not admitted, "a request was admitted in a step that preempted"
+            assert not any(s.num_spec_nodes for s in out.seqs), "speculation kept in a step that preempted"
         for req in admitted:
             if req.request_id in owed_before:   # prompt logprobs owed: the whole prompt is computed
                 assert req.num_computed_tokens == 0, f"{req!r} owes prompt logprobs but hit the prefix cache"

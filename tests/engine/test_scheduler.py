@@ -123,6 +123,21 @@ def test_speculation_is_dropped_before_anyone_is_preempted():
     assert sched.num_preemptions == 0 and not out.preempted
 
 
+def test_an_older_requests_speculation_is_dropped_before_a_younger_one_is_preempted():
+    # a at 8 tokens fits its 2 blocks, and its 3 nodes would take the pool's last block; b at
+    # 9 tokens needs that block for its pending token. a speculates less; nobody is preempted.
+    sched, pool = make(num_blocks=5, block_size=4)
+    a, b = req("a", 7, max_tokens=10), req("b", 8, max_tokens=10, base=50)
+    sched.add(a)
+    sched.add(b)
+    advance(sched, sched.schedule())
+    assert pool.num_free_blocks == 1 and (a.num_tokens, b.num_tokens) == (8, 9)
+    out = sched.schedule(every(sched, 3))
+    assert [(s.request.request_id, s.num_new_tokens, s.num_spec_nodes) for s in out.seqs] == [("a", 1, 0), ("b", 1, 0)]
+    assert sched.num_preemptions == 0 and not out.preempted
+    assert (len(a.block_table), len(b.block_table), pool.num_free_blocks) == (2, 3, 0)
+
+
 def test_speculation_reserves_scratch_and_is_capped_by_budget():
     sched, pool = make(num_blocks=16, block_size=4, budget=6)
     a, b = req("a", 3), req("b", 2, base=50)
