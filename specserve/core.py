@@ -204,11 +204,13 @@ class _Stream:
             self.prompt_token_ids, self.prompt_logprobs = o.prompt_token_ids, o.prompt_logprobs
         new, finished, reason, error = o.new_token_ids, o.finished, o.finish_reason, o.error
         try:
-            delta, stop_index = self.detokenizer.append(new)
+            # The core's "stop" is an EOS or stop token id: its text is not output (LLMEngine._append).
+            delta, stop_index = self.detokenizer.append(new[:len(new) - (reason == "stop")])
             if stop_index is not None:   # keep the token that completed the stop string, cut the rest
                 new, finished, reason = new[:stop_index + 1], True, "stop"
             elif finished:
                 delta += self.detokenizer.flush()
+                reason = "stop" if self.detokenizer.stopped else reason
         except Exception as e:   # this request's text: it fails alone
             delta, finished, reason, error = "", True, "error", f"producing this request's text failed: {e!r}"
         self.token_ids += new
@@ -365,7 +367,8 @@ class EngineCoreClient:
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
         stream = self._streams[request_id] = _Stream(
-            IncrementalDetokenizer(self.tokenizer, list(prompt), params.stop, params.skip_special_tokens))
+            IncrementalDetokenizer(self.tokenizer, list(prompt), params.stop, params.skip_special_tokens,
+                                   params.min_tokens))
         self._send(AddRequest(request_id, list(prompt), params))
         finished = False
         try:

@@ -20,7 +20,8 @@ prefix of the stop string that ends the text so far. The first stop string to co
 ends the output (of two completing at one character, the longer, which started earlier):
 text before it is emitted, the stop string and everything after never are. Until then, as
 many characters as the largest state are held back, so no part of a stop string is ever
-streamed to a client.
+streamed to a client. As in vLLM, a stop string ends the output only when it completes in
+the text of a token past the first `min_tokens`; one completing earlier is text like any.
 
 Output equals `tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`
 of the generated ids, cut before a stop string: streamed text cannot be cleaned up afterwards.
@@ -53,6 +54,7 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        min_tokens: int = 0,
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -60,6 +62,8 @@ class IncrementalDetokenizer:
         assert all(self.stop), "stop strings must be non-empty (SamplingParams.validate checks this)"
         self._failure = [_failure(s) for s in self.stop]   # KMP tables
         self._state = [0] * len(self.stop)                 # matched prefix length of each stop string
+        self.min_tokens = min_tokens
+        self._num_tokens = 0                               # generated tokens appended so far
 
         self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])   # the decode window, trimmed as we go
         self._prefix_offset = 0
@@ -93,7 +97,9 @@ class IncrementalDetokenizer:
 
     def _advance(self, piece: str) -> tuple[int, str] | None:
         """Run the automata over `piece`; (index just past the match in piece, stop string) of
-        the first stop string to complete, else None."""
+        the first stop string to complete, else None (always None within `min_tokens`: the
+        automata still read the piece)."""
+        armed = self._num_tokens > self.min_tokens
         for end, c in enumerate(piece, 1):
             hit = None
             for k, (s, fail) in enumerate(zip(self.stop, self._failure)):
@@ -107,7 +113,7 @@ class IncrementalDetokenizer:
                         hit = s
                     m = fail[m - 1]
                 self._state[k] = m
-            if hit is not None:
+            if hit is not None and armed:
                 return end, hit
         return None
 
@@ -121,6 +127,7 @@ class IncrementalDetokenizer:
             raise RuntimeError(f"append after stop string {self.stop_string!r} matched")
         pending = self._held
         for i, token_id in enumerate(token_ids):
+            self._num_tokens += 1
             piece = self._decode_next(token_id)
             if not piece:
                 continue
@@ -143,7 +150,9 @@ class IncrementalDetokenizer:
         """Text still held back when the request ends without a stop string.
 
         That is the held suffix that might have begun a stop string, plus the text of any
-        trailing incomplete UTF-8 bytes (decoded as U+FFFD, as tokenizer.decode would).
+        trailing incomplete UTF-8 bytes (decoded as U+FFFD, as tokenizer.decode would). That
+        text is read for stop strings too (a character before the incomplete bytes may end
+        one): on a match the output is cut before it and `stopped` is set.
         """
         if self.stopped:
             return ""
@@ -156,6 +165,10 @@ class IncrementalDetokenizer:
             self._prefix_offset = self._read_offset = 0
             self._prefix_text = None
         out = self._held + tail
+        if self.stop and (hit := self._advance(tail)) is not None:
+            end, self.stop_string = hit
+            self.stopped = True
+            out = out[: len(self._held) + end - len(self.stop_string)]
         self._held = ""
         self.text += out
         return out

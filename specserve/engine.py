@@ -338,7 +338,8 @@ class LLMEngine:
             prompt_ids,
             params,
             self.eos_token_ids,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
+                                               params.min_tokens)
             if self.detokenize
             else None,
             generator=make_generator(params.seed) if params.seed is not None else None,
@@ -481,19 +482,20 @@ class LLMEngine:
                 reason = "length"
             if reason:
                 break
-        if req.detokenizer is None:
-            return reason
-        delta, stop_index = req.detokenizer.append(toks[:kept])
-        if stop_index is not None:
-            drop = kept - 1 - stop_index  # tokens after the one that completed the stop string
-            if drop:
-                del req.token_ids[-drop:]
-            reason = "stop"
-        elif reason is not None:
-            delta += req.detokenizer.flush()
-        req.new_text += delta
+        if req.detokenizer is not None:
+            # The text of an EOS or stop token id is not output (vLLM's rule, as OpenAI's stop).
+            delta, stop_index = req.detokenizer.append(toks[:kept - (reason == "stop")])
+            if stop_index is not None:
+                drop = kept - 1 - stop_index  # tokens after the one that completed the stop string
+                if drop:
+                    del req.token_ids[-drop:]
+                reason = "stop"
+            elif reason is not None:
+                delta += req.detokenizer.flush()
+                reason = "stop" if req.detokenizer.stopped else reason
+            req.new_text += delta
         if req.logprobs is not None:
-            del req.logprobs[req.num_output_tokens:]   # the tokens cut above
+            del req.logprobs[req.num_output_tokens:]   # the step's tokens past the end
         return reason
 
     def _fail(self, req: Request, message: str) -> None:

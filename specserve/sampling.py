@@ -54,7 +54,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    min_tokens: int = 0                  # EOS and stop_token_ids do not end the request before this
+    min_tokens: int = 0                  # EOS, stop_token_ids and stop strings do not end the request before this
     # Each output token's log-probability and this many alternatives (None: none); see
     # token_logprobs for the convention.
     logprobs: int | None = None

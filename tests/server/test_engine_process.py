@@ -166,3 +166,41 @@ def test_special_tokens_show_in_the_text_when_asked(core_server):
         with urllib.request.urlopen(req, timeout=60) as r:
             out = json.loads(r.read())
         assert out["choices"][0]["text"] == text and out["usage"]["completion_tokens"] == 3
+
+
+def test_stop_tokens_and_min_tokens_end_the_text_as_vllm_does(core_server, cfg):
+    """The API server's detokenizer follows the core's stop as LLMEngine does: the text of
+    the stop token id or EOS that ended a request is not output (its id is counted), and
+    min_tokens holds back stop strings too, streaming and not."""
+    llm = LLM(cfg, progress=False)
+    full = llm.generate(PROMPTS[7], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    tok = full.token_ids[6]
+    cut = full.token_ids.index(tok) + 1
+    eos_id = backend(core_server).tokenizer.eos_token_id
+    stop = llm.tokenizer.decode(full.token_ids[:3])[-2:]   # occurs in the first 3 tokens' text
+    cases = [
+        (dict(stop_token_ids=[tok]), full.token_ids[:cut], "stop"),
+        (dict(logit_bias={str(eos_id): 100}, skip_special_tokens=False, max_tokens=3), [eos_id], "stop"),
+        (dict(stop=[stop], min_tokens=12), None, None),
+    ]
+    for extra, want_ids, want_reason in cases:
+        body = {"prompt": PROMPTS[7], "max_tokens": 24, "temperature": 0, "ignore_eos": "logit_bias" not in extra,
+                **extra}
+        params = SamplingParams(**{f: v for f, v in body.items() if f != "prompt"} | (
+            {"logit_bias": {eos_id: 100}} if "logit_bias" in extra else {}))
+        ref = llm.generate(PROMPTS[7], params)[0]
+        if want_ids is not None:
+            assert (ref.token_ids, ref.finish_reason) == (want_ids, want_reason)
+            assert ref.text == llm.tokenizer.decode(want_ids[:-1], skip_special_tokens=False)
+        else:   # the stop string first completes within min_tokens: the output runs past it
+            assert len(ref.token_ids) > 12 and stop in ref.text[:len(llm.tokenizer.decode(full.token_ids[:12]))]
+        events = stream(core_server, body)
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == ref.text
+        assert chunks[-1]["choices"][0]["finish_reason"] == ref.finish_reason
+        req = urllib.request.Request(core_server.url + "/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = json.loads(r.read())
+        assert out["choices"][0]["text"] == ref.text
+        assert out["usage"]["completion_tokens"] == len(ref.token_ids)
