@@ -462,10 +462,10 @@ async def _complete(run: _Run, firsts: list[RequestOutput]) -> web.Response:
         logprobs = run.logprobs(i, out, with_prompt=True)
         if run.chat:
             choices.append({"index": c.index, "message": {"role": "assistant", "content": out.text},
-                            "logprobs": logprobs, "finish_reason": out.finish_reason})
+                            "logprobs": logprobs, "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
         else:
             choices.append({"index": c.index, "text": (c.echo or "") + out.text, "logprobs": logprobs,
-                            "finish_reason": out.finish_reason})
+                            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason})
     body = {**_header(run), "object": "chat.completion" if run.chat else "text_completion",
             "choices": choices, "usage": run.usage()}
     return web.Response(body=_json.encode(body), content_type="application/json")
@@ -525,6 +525,8 @@ async def _stream(request: web.Request, run: _Run, firsts: list[RequestOutput], 
         if run.provenance:
             choice["provenance"] = run.pieces(i, out)
         choice["finish_reason"] = out.finish_reason if out.finished else None
+        if out.finished:
+            choice["stop_reason"] = out.stop_reason
         chunk = {**header, "object": obj, "choices": [choice]}
         if continuous_usage:
             chunk["usage"] = run.usage(i)

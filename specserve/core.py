@@ -72,6 +72,7 @@ class CoreOutput(msgspec.Struct, array_like=True):
     num_drafted: int
     logprobs: list | None            # entries of new_token_ids
     prompt_logprobs: list | None     # with the first output only
+    stop_reason: int | None = None   # a stop token id that ended it
 
 
 class Ready(msgspec.Struct, tag=True):
@@ -168,7 +169,7 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, cpus: list[int] 
                     out.request_id, out.prompt_token_ids if first else None, out.new_token_ids,
                     out.finished, out.finish_reason, out.error, out.num_drafted,
                     out.logprobs[end - len(out.new_token_ids):end] if out.logprobs is not None else None,
-                    out.prompt_logprobs if first else None))
+                    out.prompt_logprobs if first else None, out.stop_reason))
         else:
             engine.idle()
         now = time.monotonic()
@@ -206,13 +207,17 @@ class _Stream:
         try:
             # The core's "stop" is an EOS or stop token id: its text is not output (LLMEngine._append).
             delta, stop_index = self.detokenizer.append(new[:len(new) - (reason == "stop")])
+            stop_reason = o.stop_reason
             if stop_index is not None:   # keep the token that completed the stop string, cut the rest
                 new, finished, reason = new[:stop_index + 1], True, "stop"
+                stop_reason = self.detokenizer.stop_string
             elif finished:
                 delta += self.detokenizer.flush()
-                reason = "stop" if self.detokenizer.stopped else reason
+                if self.detokenizer.stopped:
+                    reason, stop_reason = "stop", self.detokenizer.stop_string
         except Exception as e:   # this request's text: it fails alone
             delta, finished, reason, error = "", True, "error", f"producing this request's text failed: {e!r}"
+            stop_reason = None
         self.token_ids += new
         self.text += delta
         if o.logprobs is not None:
@@ -220,7 +225,8 @@ class _Stream:
         self.done = finished
         return RequestOutput(o.request_id, self.prompt_token_ids, list(self.token_ids), self.text, new,
                              delta, finished, reason, error=error, logprobs=self.logprobs,
-                             prompt_logprobs=self.prompt_logprobs, num_drafted=min(o.num_drafted, len(new)))
+                             prompt_logprobs=self.prompt_logprobs, num_drafted=min(o.num_drafted, len(new)),
+                             stop_reason=stop_reason)
 
 
 class EngineCoreClient:

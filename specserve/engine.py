@@ -50,6 +50,7 @@ class RequestOutput:
     logprobs: list | None = field(repr=False, default=None)
     prompt_logprobs: list | None = field(repr=False, default=None)
     num_drafted: int = 0   # the first this many of new_token_ids are accepted draft tokens, the rest the target's
+    stop_reason: int | str | None = None   # finish_reason "stop": the stop token id or stop string (EOS: None)
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -478,6 +479,7 @@ class LLMEngine:
                 tok in req.stop_token_ids or (tok in req.eos_token_ids and not params.ignore_eos)
             ):
                 reason = "stop"
+                req.stop_reason = tok if tok in req.stop_token_ids else None   # EOS: None, as vLLM
             elif n_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
                 reason = "length"
             if reason:
@@ -489,10 +491,11 @@ class LLMEngine:
                 drop = kept - 1 - stop_index  # tokens after the one that completed the stop string
                 if drop:
                     del req.token_ids[-drop:]
-                reason = "stop"
+                reason, req.stop_reason = "stop", req.detokenizer.stop_string
             elif reason is not None:
                 delta += req.detokenizer.flush()
-                reason = "stop" if req.detokenizer.stopped else reason
+                if req.detokenizer.stopped:
+                    reason, req.stop_reason = "stop", req.detokenizer.stop_string
             req.new_text += delta
         if req.logprobs is not None:
             del req.logprobs[req.num_output_tokens:]   # the step's tokens past the end
@@ -539,6 +542,7 @@ class LLMEngine:
             new_text=new_text,
             finished=req.is_finished,
             finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
             stats=req.stats,
             error=req.error,
             logprobs=req.logprobs,

@@ -64,6 +64,7 @@ class Request:
         self.generator = generator  # torch.Generator for seeded requests, else None
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+        self.stop_reason: int | str | None = None   # the stop token id or stop string that ended it
         self.error: str | None = None          # finish_reason "error": what went wrong
         # The shared pool.
         self.block_table: list[int] = []

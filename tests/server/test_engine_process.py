@@ -169,38 +169,53 @@ def test_special_tokens_show_in_the_text_when_asked(core_server):
 
 
 def test_stop_tokens_and_min_tokens_end_the_text_as_vllm_does(core_server, cfg):
-    """The API server's detokenizer follows the core's stop as LLMEngine does: the text of
-    the stop token id or EOS that ended a request is not output (its id is counted), and
-    min_tokens holds back stop strings too, streaming and not."""
+    """The API server's detokenizer follows the core's stop as LLMEngine does, and both as
+    vLLM: the text of the stop token id or EOS that ended a request is not output (its id is
+    counted), min_tokens holds back stop strings too, and `stop_reason` names the stop token
+    id or stop string (null for EOS); streaming and not, in the core's process and in one."""
+    from specserve.engine import LLMEngine
+
     llm = LLM(cfg, progress=False)
     full = llm.generate(PROMPTS[7], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
     tok = full.token_ids[6]
     cut = full.token_ids.index(tok) + 1
     eos_id = backend(core_server).tokenizer.eos_token_id
     stop = llm.tokenizer.decode(full.token_ids[:3])[-2:]   # occurs in the first 3 tokens' text
+    late = full.text[-4:-1]
     cases = [
-        (dict(stop_token_ids=[tok]), full.token_ids[:cut], "stop"),
-        (dict(logit_bias={str(eos_id): 100}, skip_special_tokens=False, max_tokens=3), [eos_id], "stop"),
+        (dict(stop_token_ids=[tok]), full.token_ids[:cut], tok),
+        (dict(logit_bias={str(eos_id): 100}, skip_special_tokens=False, max_tokens=3), [eos_id], None),
         (dict(stop=[stop], min_tokens=12), None, None),
+        (dict(stop=[late]), None, late),
     ]
-    for extra, want_ids, want_reason in cases:
-        body = {"prompt": PROMPTS[7], "max_tokens": 24, "temperature": 0, "ignore_eos": "logit_bias" not in extra,
-                **extra}
-        params = SamplingParams(**{f: v for f, v in body.items() if f != "prompt"} | (
-            {"logit_bias": {eos_id: 100}} if "logit_bias" in extra else {}))
-        ref = llm.generate(PROMPTS[7], params)[0]
-        if want_ids is not None:
-            assert (ref.token_ids, ref.finish_reason) == (want_ids, want_reason)
-            assert ref.text == llm.tokenizer.decode(want_ids[:-1], skip_special_tokens=False)
-        else:   # the stop string first completes within min_tokens: the output runs past it
-            assert len(ref.token_ids) > 12 and stop in ref.text[:len(llm.tokenizer.decode(full.token_ids[:12]))]
-        events = stream(core_server, body)
-        chunks = [json.loads(e) for e in events[:-1]]
-        assert "".join(c["choices"][0]["text"] for c in chunks) == ref.text
-        assert chunks[-1]["choices"][0]["finish_reason"] == ref.finish_reason
-        req = urllib.request.Request(core_server.url + "/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            out = json.loads(r.read())
-        assert out["choices"][0]["text"] == ref.text
-        assert out["usage"]["completion_tokens"] == len(ref.token_ids)
+    in_process = ServerThread(LLMEngine(cfg, progress=False), cfg)
+    try:
+        for extra, want_ids, want_stop_reason in cases:
+            body = {"prompt": PROMPTS[7], "max_tokens": 24, "temperature": 0,
+                    "ignore_eos": "logit_bias" not in extra, **extra}
+            params = SamplingParams(**{f: v for f, v in body.items() if f != "prompt"} | (
+                {"logit_bias": {eos_id: 100}} if "logit_bias" in extra else {}))
+            ref = llm.generate(PROMPTS[7], params)[0]
+            if want_ids is not None:
+                assert (ref.token_ids, ref.finish_reason) == (want_ids, "stop")
+                assert ref.text == llm.tokenizer.decode(want_ids[:-1], skip_special_tokens=False)
+            elif "min_tokens" in extra:   # the stop string first completes within min_tokens: the output runs past it
+                assert len(ref.token_ids) > 12 and stop in ref.text[:len(llm.tokenizer.decode(full.token_ids[:12]))]
+            if want_stop_reason is not None or want_ids is not None:
+                assert ref.stop_reason == want_stop_reason
+            for srv in (core_server, in_process):
+                events = stream(srv, body)
+                chunks = [json.loads(e) for e in events[:-1]]
+                assert "".join(c["choices"][0]["text"] for c in chunks) == ref.text
+                last = chunks[-1]["choices"][0]
+                assert (last["finish_reason"], last["stop_reason"]) == (ref.finish_reason, ref.stop_reason)
+                req = urllib.request.Request(srv.url + "/completions", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    out = json.loads(r.read())
+                choice = out["choices"][0]
+                assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (
+                    ref.text, ref.finish_reason, ref.stop_reason)
+                assert out["usage"]["completion_tokens"] == len(ref.token_ids)
+    finally:
+        in_process.stop()
