@@ -207,6 +207,7 @@ async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choic
                     min_tokens=min(req.min_tokens, budget), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                     repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens,
+                    include_stop_str_in_output=req.include_stop_str_in_output,
                     logit_bias={int(t): b for t, b in req.logit_bias.items()} if req.logit_bias else None)
             except InvalidRequestError as e:
                 param = max_name if e.param == "max_tokens" else e.param

@@ -70,6 +70,7 @@ ALLOWED = {
     "type": "a string", "text": "a string",
     "add_generation_prompt": "true or false", "continue_final_message": "true or false",
     "skip_special_tokens": "true or false", "add_special_tokens": "true or false",
+    "include_stop_str_in_output": "true or false",
     "chat_template_kwargs": (f"an object of at most {MAX_TEMPLATE_KWARGS} variables for the chat template, "
                              'like {"enable_thinking": false}'),
 }
@@ -86,7 +87,7 @@ NOT_IMPLEMENTED = {
     "tool_choice": (None, "none"), "function_call": (None, "none"), "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,), "reasoning_effort": (None,),
     "min_p": (None, 0, 0.0), "bad_words": (None, []), "allowed_token_ids": (None,), "use_beam_search": (None, False),
-    "include_stop_str_in_output": (None, False), "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
+    "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "structured_outputs": (None,), "spaces_between_special_tokens": (None, True),
     "return_tokens_as_token_ids": (None, False), "logits_processors": (None, []), "length_penalty": (None, 1, 1.0),
@@ -137,10 +138,12 @@ class _Request(Struct, kw_only=True):
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] = 1.0   # vLLM's extension
     logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_BIASED_TOKENS)] | None = None   # token id -> bias
-    # vLLM's: whether the output text shows special tokens, and whether a text prompt is
-    # encoded with them (None: yes for completions; no for chat, whose template writes them).
+    # vLLM's: whether the output text shows special tokens, whether a text prompt is encoded
+    # with them (None: yes for completions; no for chat, whose template writes them), and
+    # whether the text ends with the stop string (or stop token) that ended it.
     skip_special_tokens: bool = True
     add_special_tokens: bool | None = None
+    include_stop_str_in_output: bool = False
     # specserve's extension (the chat page): each streamed choice also carries "provenance",
     # its text in pieces [text, accepted draft tokens?, number of tokens].
     provenance: bool = False

@@ -206,7 +206,8 @@ class _Stream:
         new, finished, reason, error = o.new_token_ids, o.finished, o.finish_reason, o.error
         try:
             # The core's "stop" is an EOS or stop token id: its text is not output (LLMEngine._append).
-            delta, stop_index = self.detokenizer.append(new[:len(new) - (reason == "stop")])
+            hidden = reason == "stop" and not self.detokenizer.include_stop
+            delta, stop_index = self.detokenizer.append(new[:len(new) - hidden])
             stop_reason = o.stop_reason
             if stop_index is not None:   # keep the token that completed the stop string, cut the rest
                 new, finished, reason = new[:stop_index + 1], True, "stop"
@@ -374,7 +375,7 @@ class EngineCoreClient:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
         stream = self._streams[request_id] = _Stream(
             IncrementalDetokenizer(self.tokenizer, list(prompt), params.stop, params.skip_special_tokens,
-                                   params.min_tokens))
+                                   params.min_tokens, params.include_stop_str_in_output))
         self._send(AddRequest(request_id, list(prompt), params))
         finished = False
         try:

@@ -20,7 +20,8 @@ prefix of the stop string that ends the text so far. The first stop string to co
 ends the output (of two completing at one character, the longer, which started earlier):
 text before it is emitted, the stop string and everything after never are. Until then, as
 many characters as the largest state are held back, so no part of a stop string is ever
-streamed to a client. As in vLLM, a stop string ends the output only when it completes in
+streamed to a client (with `include_stop`, the stop string is emitted and ends the output,
+and nothing is held). As in vLLM, a stop string ends the output only when it completes in
 the text of a token past the first `min_tokens`; one completing earlier is text like any.
 
 Output equals `tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`
@@ -55,6 +56,7 @@ class IncrementalDetokenizer:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
+        include_stop: bool = False,
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -63,6 +65,7 @@ class IncrementalDetokenizer:
         self._failure = [_failure(s) for s in self.stop]   # KMP tables
         self._state = [0] * len(self.stop)                 # matched prefix length of each stop string
         self.min_tokens = min_tokens
+        self.include_stop = include_stop
         self._num_tokens = 0                               # generated tokens appended so far
 
         self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])   # the decode window, trimmed as we go
@@ -135,12 +138,12 @@ class IncrementalDetokenizer:
             pending += piece
             if hit is not None:
                 end, self.stop_string = hit
-                pos = len(pending) - len(piece) + end - len(self.stop_string)
+                pos = len(pending) - len(piece) + end - (0 if self.include_stop else len(self.stop_string))
                 self.stopped = True
                 self._held = ""
                 self.text += pending[:pos]
                 return pending[:pos], i
-        n_held = min(len(pending), max(self._state, default=0))
+        n_held = 0 if self.include_stop else min(len(pending), max(self._state, default=0))
         delta = pending[: len(pending) - n_held]
         self._held = pending[len(pending) - n_held :]
         self.text += delta
@@ -168,7 +171,7 @@ class IncrementalDetokenizer:
         if self.stop and (hit := self._advance(tail)) is not None:
             end, self.stop_string = hit
             self.stopped = True
-            out = out[: len(self._held) + end - len(self.stop_string)]
+            out = out[: len(self._held) + end - (0 if self.include_stop else len(self.stop_string))]
         self._held = ""
         self.text += out
         return out

@@ -340,7 +340,7 @@ class LLMEngine:
             params,
             self.eos_token_ids,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
-                                               params.min_tokens)
+                                               params.min_tokens, params.include_stop_str_in_output)
             if self.detokenize
             else None,
             generator=make_generator(params.seed) if params.seed is not None else None,
@@ -486,7 +486,8 @@ class LLMEngine:
                 break
         if req.detokenizer is not None:
             # The text of an EOS or stop token id is not output (vLLM's rule, as OpenAI's stop).
-            delta, stop_index = req.detokenizer.append(toks[:kept - (reason == "stop")])
+            hidden = reason == "stop" and not params.include_stop_str_in_output
+            delta, stop_index = req.detokenizer.append(toks[:kept - hidden])
             if stop_index is not None:
                 drop = kept - 1 - stop_index  # tokens after the one that completed the stop string
                 if drop:

@@ -70,6 +70,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit
     skip_special_tokens: bool = True     # the output text leaves out special tokens (EOS, ...)
+    include_stop_str_in_output: bool = False   # the stop string or stop token's text ends the text
 
     def __post_init__(self):
         if isinstance(self.stop, str):   # the OpenAI API allows a single string

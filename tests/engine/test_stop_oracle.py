@@ -9,13 +9,14 @@ continues from them). From those tokens F the answer a request MUST get is compu
 
   * a stop token (a stop_token_id, or EOS unless ignore_eos) ends it at the first position
     k > min_tokens holding one: finish "stop", token_ids F[:k]; the text is decode(F[:k - 1])
-    (as in vLLM, the stop token's text is not output);
+    (as in vLLM, the stop token's text is not output; with include_stop_str_in_output it is);
   * a stop string ends it at the first token k > min_tokens whose text makes one appear,
     ending past the text of the first min_tokens tokens: the text available after k tokens
     is decode(F[:j]) for the last j <= k whose decode does not end in U+FFFD (an incomplete
     character is held until the request ends); the first stop string to complete (the
     earliest end; of two ending at one character the longer) is cut with everything after
-    it: finish "stop", token_ids F[:k], text before the stop string;
+    it: finish "stop", token_ids F[:k], text before the stop string (through it, with
+    include_stop_str_in_output);
   * else max_tokens: finish "length", token_ids F[:max_tokens], text decode(F[:max_tokens]).
   The earliest of the three wins (a stop string completing in the stop token itself: "stop"
   with the text cut).
@@ -116,7 +117,8 @@ def expected(tok, F: list[int], p: SamplingParams) -> tuple[list[int], str, str]
     k_tok = next((k for k in range(1, n + 1) if k > p.min_tokens and (
         F[k - 1] in p.stop_token_ids or (F[k - 1] == EOS and not p.ignore_eos))), None)
     last = k_tok or n
-    n_text = last - 1 if k_tok else last   # the stop token's text is not output
+    include = p.include_stop_str_in_output
+    n_text = last - 1 if k_tok and not include else last   # the stop token's text is not output unless asked
     avail, off = "", 0   # text read so far; how much of it came within min_tokens
     for k in range(1, n_text + 1) if p.stop else ():
         t = _decode(tok, F[:k], skip)
@@ -134,7 +136,7 @@ def expected(tok, F: list[int], p: SamplingParams) -> tuple[list[int], str, str]
         if hits:
             end, _, s = min(hits)
             # Read as the token came, the tokens after it go; read at the end, all stay.
-            return (F[:last] if flushed else F[:k]), avail[:end - len(s)], "stop"
+            return (F[:last] if flushed else F[:k]), avail[:end if include else end - len(s)], "stop"
     return F[:last], _decode(tok, F[:n_text], skip), ("stop" if k_tok else "length")
 
 
@@ -174,7 +176,7 @@ def check(llm: LLM, run: dict, wants: list, params: list[SamplingParams], name: 
         assert out.token_ids == want_ids, f"{what}: token_ids {out.token_ids} != {want_ids}"
         assert out.finish_reason == want_reason, f"{what}: finish_reason {out.finish_reason} != {want_reason}"
         assert out.text == want_text, f"{what}: text {out.text!r} != {want_text!r}"
-        for s in p.stop if not p.min_tokens else ():
+        for s in p.stop if not p.min_tokens and not p.include_stop_str_in_output else ():
             assert s not in out.text, f"{what}: stop string {s!r} in the output text {out.text!r}"
         for prefix in run["streams"][rid]["prefixes"]:
             assert want_text.startswith(prefix), f"{what}: streamed {prefix!r}, not a prefix of {want_text!r}"
@@ -228,11 +230,12 @@ def request_case(draw, llm: LLM):
     logprobs = draw(st.sampled_from([None, None, 0, 2]))
     p = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos, min_tokens=min_tokens,
                        stop=stops, stop_token_ids=stop_ids, skip_special_tokens=skip, logprobs=logprobs,
+                       include_stop_str_in_output=draw(st.integers(0, 3)) == 0,
                        logit_bias=bias or None)
     return prompt, p, F
 
 
-@settings(derandomize=True, max_examples=int(os.environ.get("STOP_HUNT_EXAMPLES", 14)), deadline=None,
+@settings(derandomize=True, max_examples=int(os.environ.get("STOP_ORACLE_EXAMPLES", 14)), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.data_too_large])
 @given(data=st.data())

@@ -171,8 +171,9 @@ def test_special_tokens_show_in_the_text_when_asked(core_server):
 def test_stop_tokens_and_min_tokens_end_the_text_as_vllm_does(core_server, cfg):
     """The API server's detokenizer follows the core's stop as LLMEngine does, and both as
     vLLM: the text of the stop token id or EOS that ended a request is not output (its id is
-    counted), min_tokens holds back stop strings too, and `stop_reason` names the stop token
-    id or stop string (null for EOS); streaming and not, in the core's process and in one."""
+    counted) nor is the stop string, unless include_stop_str_in_output; min_tokens holds back
+    stop strings too; `stop_reason` names the stop token id or stop string (null for EOS);
+    streaming and not, in the core's process and in one."""
     from specserve.engine import LLMEngine
 
     llm = LLM(cfg, progress=False)
@@ -187,6 +188,8 @@ def test_stop_tokens_and_min_tokens_end_the_text_as_vllm_does(core_server, cfg):
         (dict(logit_bias={str(eos_id): 100}, skip_special_tokens=False, max_tokens=3), [eos_id], None),
         (dict(stop=[stop], min_tokens=12), None, None),
         (dict(stop=[late]), None, late),
+        (dict(stop=[late], include_stop_str_in_output=True), None, late),
+        (dict(stop_token_ids=[tok], include_stop_str_in_output=True), full.token_ids[:cut], tok),
     ]
     in_process = ServerThread(LLMEngine(cfg, progress=False), cfg)
     try:
@@ -196,9 +199,12 @@ def test_stop_tokens_and_min_tokens_end_the_text_as_vllm_does(core_server, cfg):
             params = SamplingParams(**{f: v for f, v in body.items() if f != "prompt"} | (
                 {"logit_bias": {eos_id: 100}} if "logit_bias" in extra else {}))
             ref = llm.generate(PROMPTS[7], params)[0]
+            include = extra.get("include_stop_str_in_output", False)
             if want_ids is not None:
                 assert (ref.token_ids, ref.finish_reason) == (want_ids, "stop")
-                assert ref.text == llm.tokenizer.decode(want_ids[:-1], skip_special_tokens=False)
+                assert ref.text == llm.tokenizer.decode(want_ids if include else want_ids[:-1], skip_special_tokens=False)
+            elif "stop" in extra and not extra.get("min_tokens"):
+                assert ref.text.endswith(late) == include and late not in ref.text[:-len(late)]
             elif "min_tokens" in extra:   # the stop string first completes within min_tokens: the output runs past it
                 assert len(ref.token_ids) > 12 and stop in ref.text[:len(llm.tokenizer.decode(full.token_ids[:12]))]
             if want_stop_reason is not None or want_ids is not None:

@@ -150,7 +150,7 @@ def test_queue_full_is_429_with_retry_after(srv):
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("response_format", {"type": "json_object"}), ("modalities", ["text", "audio"]), ("min_p", 0.1),
     ("bad_words", ["x"]), ("use_beam_search", True), ("guided_json", {"type": "object"}), ("echo", True),
-    ("include_stop_str_in_output", True), ("prompt_logprobs", 1), ("spaces_between_special_tokens", False),
+    ("prompt_logprobs", 1), ("spaces_between_special_tokens", False),
     ("return_tokens_as_token_ids", True), ("length_penalty", 0.5),
 ])
 def test_fields_that_would_change_the_output_are_refused_by_name(srv, field, value):
