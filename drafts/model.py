@@ -7,8 +7,11 @@ whose last row gives the first level of the tree. Each further level is one more
   verification the draft keeps the KV of the accepted nodes it has fed (no copy, no redo).
   With early stop (TreeShape.early_stop, controller.py) a chain ends before its first node
   whose path probability (the product of the draft's probabilities of its nodes) does not
-  pay for its verify row, and no level runs that would not pay for itself. A chain's length
-  depends on the draft's own draws only, so sampled verification stays lossless;
+  pay for its verify row, and no level runs that would not pay for itself. A sampled node
+  is kept only when its own draw passes that bar, so a kept one was drawn from q restricted
+  to the tokens that pass, renormalised: that is the q it is verified against, and sampled
+  verification stays lossless (Leviathan et al.'s rule holds for any proposal law, as long
+  as it is the law the token was drawn from);
 - trees: feed every expanded node so far with the ancestor mask (rows are rewritten each
   level, which keeps slot use inside the reserved scratch). After verification the draft's
   tree KV is dropped and the accepted tokens are caught up in the next step's first forward.
@@ -57,6 +60,18 @@ class _Growing:
         t.path_probs.append(prob * (t.path_probs[parent] if parent >= 0 else 1.0))
         self.q_rows.append(q)
         return t.num_nodes - 1
+
+
+def _passing(g: _Growing, bar: float) -> torch.Tensor:
+    """The law of g's newest (sampled) node given that it is kept: its q on the tokens whose
+    path probability exceeds `bar` (the products as keep() compares them), renormalised."""
+    t = g.tree
+    parent = t.parents[-1]
+    path = t.path_probs[parent] if parent >= 0 else 1.0
+    q = g.q_rows[-1]
+    kept = q * (q.double() * path > bar)
+    total = kept.sum()
+    return kept / total if total > 0 else q   # total 0: the node is dropped next
 
 
 class ModelDrafter:
@@ -129,6 +144,8 @@ class ModelDrafter:
             self._expand(active, parents, logits, shape, depth)
             if stop is not None:
                 for g in active:
+                    if g.q_rows[-1] is not None:
+                        g.q_rows[-1] = _passing(g, stop.bar())
                     if not stop.keep(g.tree.path_probs[-1]):
                         g.drop_last()
             active = [g for g in active if g.frontier and depth < g.max_depth]

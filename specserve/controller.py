@@ -57,8 +57,13 @@ class EarlyStop:
         lo = max(rows / B, 2.0 if len(v) > 2 else 1.0)
         return _at(v, lo + n / B) - _at(v, lo)
 
+    def bar(self) -> float:
+        """The path probability the next node must exceed to be kept: min(1, R q) > G row."""
+        cost = self.goodput * self._row(self.rows)
+        return math.inf if cost >= 1.0 else cost / self.ratio
+
     def keep(self, q: float) -> bool:
-        if min(1.0, self.ratio * q) > self.goodput * self._row(self.rows):
+        if q > self.bar():
             self.rows += 1
             return True
         return False
