@@ -100,6 +100,7 @@ class Choice:  # one engine request
 # Prompts longer than this (characters in all) are tokenized on a worker thread, so that the
 # event loop keeps serving streams and /health meanwhile.
 _INLINE_TEXT = 16384
+COMPLETION_MAX_TOKENS = 16   # a completion without max_tokens (OpenAI's default, vLLM's)
 # Text longer than this is first counted piece by piece, at most this many characters a piece:
 # a tokenizer's encoding of a 4 MiB prompt (ids, offsets, token strings) takes hundreds of MiB,
 # while counting stops as soon as the pieces need more tokens than the context holds. A piece
@@ -194,17 +195,21 @@ async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choic
         if echo:
             prompt = req.prompt if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt[p]
             echo_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
-        # Absent max_tokens: the room left in the context. At least 1, so that a prompt that
-        # fills the context gets the engine's own "maximum context length" error.
-        budget = max_tokens if max_tokens is not None else max(1, max_model_len - len(prompt_ids))
+        # Absent max_tokens: 16 for a completion (OpenAI's legacy default, and vLLM's); the
+        # room left in the context for a chat, at least 1, so that a prompt that fills the
+        # context gets the engine's own "maximum context length" error.
+        budget = (max_tokens if max_tokens is not None else
+                  max(1, max_model_len - len(prompt_ids)) if chat else COMPLETION_MAX_TOKENS)
         for i in range(req.n):
             try:
                 params = SamplingParams(
                     max_tokens=budget, temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                    seed=None if req.seed is None else (req.seed + i) % 2**64, stop=req.stops,
+                    # seed -1: none (vLLM's, and clients' "random"); choice i of n gets seed + i.
+                    seed=None if req.seed in (None, -1) else (req.seed + i) % 2**64, stop=req.stops,
                     stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-                    min_tokens=min(req.min_tokens, budget), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                    min_tokens=req.min_tokens if max_tokens is not None else min(req.min_tokens, budget),
+                    logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                     repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens,
                     include_stop_str_in_output=req.include_stop_str_in_output,

@@ -171,9 +171,10 @@ def target_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tens
     parameters; None: read off the tensors, a device sync on a GPU).
     Returns [N, V] probabilities (float32, float64 if logits are).
 
-    - top-k keeps the k highest logits; top-p then keeps the smallest prefix of the
+    - top-k keeps the logits at least the k-th highest (every token tied with the k-th, as
+      transformers and vLLM keep them); top-p then keeps the smallest prefix of the
       remaining tokens (by descending probability) whose mass is >= p, so the top token is
-      always kept. Ties rank by token id (stable sort), so the kept set is deterministic.
+      always kept. Ties rank by token id there (stable sort): the kept set is deterministic.
     - Greedy rows (T < 1e-5) get plain softmax(logits) with no top-k/top-p: callers take
       argmax for them, and the softmax keeps the rows finite.
     """
@@ -231,9 +232,10 @@ def _candidate_probs(scaled: Tensor, k: Tensor, p: Tensor, m: int) -> tuple[Tens
 
     The candidates, ordered as the stable sort orders them (value descending, then token id),
     are a prefix of the sorted row wherever their values stay above the (m + 1)-th highest
-    logit. A row is exact when its kept set ends before the last candidate (or at it, by top-k
-    = m), with its last kept value, and its k-th where top-k normalises, above that logit:
-    a tie across the cut would leave which tied token is kept to topk's arbitrary order."""
+    logit. A row is exact when its kept set cannot reach past them: with top-k, its k-th
+    value (so every tie of it) above that logit; without, a nucleus ending before the last
+    candidate, at a value above that logit (which of the tokens tied across the cut come
+    first would otherwise be topk's arbitrary order)."""
     num_rows, vocab_size = scaled.shape
     values, ids = scaled.topk(m + 1, dim=-1, sorted=True)                   # [R, m + 1]
     outside = values[:, m]                                                  # the best not kept
@@ -243,7 +245,8 @@ def _candidate_probs(scaled: Tensor, k: Tensor, p: Tensor, m: int) -> tuple[Tens
     order = values.argsort(dim=-1, descending=True, stable=True)
     values, ids = values.gather(-1, order), ids.gather(-1, order)
     ranks = torch.arange(m, device=scaled.device)
-    keep = ranks[None, :] < k[:, None]                                      # top-k
+    kth = values.gather(-1, (k.clamp(max=m) - 1)[:, None])                  # [R, 1]
+    keep = values >= kth                          # top-k, with every token tied with the k-th
     # The softmax over the top-k set: its candidates (k <= m), or the whole row (no top-k;
     # k between m and the vocabulary never comes here: m is at least every such k).
     whole = k >= vocab_size
@@ -254,9 +257,10 @@ def _candidate_probs(scaled: Tensor, k: Tensor, p: Tensor, m: int) -> tuple[Tens
     keep &= (mass_before < p[:, None]) | (p[:, None] >= 1.0) | (ranks[None, :] == 0)
     count = keep.sum(dim=-1)                                                # >= 1
     last = values.gather(-1, (count - 1)[:, None]).squeeze(1)
-    kth = values.gather(-1, (k.clamp(max=m) - 1)[:, None]).squeeze(1)
-    done = (((count < m) | (k == m)) & (last > outside)
-            & (whole | (kth > outside)))
+    # Exact when the kept set cannot reach past the candidates: a top-k set whose k-th value
+    # (hence every tie of it) is above the best left out; without top-k, a nucleus ending
+    # before the last candidate, above the best left out.
+    done = torch.where(whole, (count < m) & (last > outside), kth.squeeze(1) > outside)
     cand_probs = cand_probs.masked_fill(~keep, 0.0)
     cand_probs = cand_probs / cand_probs.sum(dim=-1, keepdim=True)
     probs = torch.zeros_like(scaled).scatter_(-1, ids, cand_probs)
@@ -268,7 +272,8 @@ def _sorted_probs(scaled: Tensor, k: Tensor, p: Tensor) -> Tensor:
     vocab_size = scaled.shape[1]
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
     ranks = torch.arange(vocab_size, device=scaled.device)                       # [V]
-    keep = ranks[None, :] < k[:, None]                                           # [R, V] top-k
+    kth = sorted_logits.gather(-1, (k.clamp(min=1, max=vocab_size) - 1)[:, None])
+    keep = sorted_logits >= kth                # [R, V] top-k, every token tied with the k-th kept
     sorted_probs = torch.softmax(sorted_logits.masked_fill(~keep, -math.inf), dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs                     # mass of higher ranks
     keep &= (mass_before < p[:, None]) | (p[:, None] >= 1.0) | (ranks[None, :] == 0)

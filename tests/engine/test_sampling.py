@@ -74,10 +74,11 @@ def test_rows_use_their_own_parameters():
     torch.testing.assert_close(probs[2], CRAFTED_P)      # greedy row: plain softmax
 
 
-def test_ties_break_by_lowest_token_id():
+def test_top_k_keeps_ties_with_the_kth_and_top_p_breaks_ties_by_lowest_token_id():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0]])
-    probs = target_probs(logits, *rows(1, top_k=2))
-    assert probs[0].nonzero().flatten().tolist() == [1, 2]
+    probs = target_probs(logits, *rows(1, top_k=2))        # as transformers' TopKLogitsWarper
+    assert probs[0].nonzero().flatten().tolist() == [1, 2, 4]
+    torch.testing.assert_close(probs[0, [1, 2, 4]], torch.full((3,), 1 / 3))
     probs = target_probs(logits, *rows(1, top_p=0.3))     # each tied token has mass ~0.32
     assert probs[0].nonzero().flatten().tolist() == [1]
 
@@ -210,7 +211,7 @@ def test_top_candidates_give_what_the_sort_of_the_whole_row_gives(dtype):
     _, done = _candidate_probs(tied, one, torch.ones(1, dtype=dtype), TOP_CANDIDATES)
     assert not done.any()
     kept = _restricted_probs(tied, one, torch.ones(1, dtype=dtype))[0].nonzero().flatten()
-    assert kept.tolist() == list(range(TOP_CANDIDATES))     # the lowest ids, as the sort keeps
+    assert kept.tolist() == list(range(4096))     # the k-th is 0.0: every token tied with it stays
 
 
 def test_params_defaults_and_greedy():

@@ -164,12 +164,15 @@ def test_n_choices_with_seed(server):
     assert [texts[i] for i in range(3)] == singles and finished == {0, 1, 2}
 
 
-def test_max_tokens_defaults_to_the_room_left(server):
+def test_max_tokens_defaults_to_16_for_completions_and_the_room_left_for_chat(server):
+    """As OpenAI and vLLM: a completion without max_tokens gets 16 tokens, a chat the room left."""
     client, model = server.client(), model_name(server)
     ids = server.engine.tokenizer.encode("The dog sleeps")
     out = client.completions.create(model=model, prompt=ids, temperature=0, extra_body={"ignore_eos": True})
-    assert out.usage.completion_tokens == MAX_MODEL_LEN - len(ids)
-    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 16 and out.choices[0].finish_reason == "length"
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == MAX_MODEL_LEN - chat.usage.prompt_tokens
+    assert chat.choices[0].finish_reason == "length"
     # max_completion_tokens is the chat API's name for it
     chat = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=5, temperature=0)
     assert chat.usage.completion_tokens == 5
