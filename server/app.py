@@ -25,7 +25,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
@@ -36,6 +36,7 @@ from specserve.core import EngineCoreClient, EngineGroup
 from specserve.engine import AsyncEngine, EngineDeadError, LLMEngine, QueueFullError, RequestOutput
 from specserve.errors import InvalidRequestError, SpecserveError
 from specserve.metrics import ServerMetrics
+from specserve.model.loader import load_sampling_defaults
 from specserve.sampling import SamplingParams
 from specserve.server import logprobs as logprobs_json
 from specserve.server import protocol
@@ -80,6 +81,7 @@ class ServerState:
     num_inflight: int = 0
     idle: asyncio.Event | None = None  # set while num_inflight == 0
     token_text: logprobs_json.TokenText | None = None
+    sampling_defaults: dict = field(default_factory=dict)   # the model's, for fields a request leaves out
 
 
 STATE = web.AppKey("specserve_state", ServerState)
@@ -189,6 +191,10 @@ async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choic
     else:   # echo with max_tokens 0 needs the prompt's logprobs (that is all it computes)
         logprobs, echo = req.logprobs, req.echo
         prompt_logprobs = logprobs if echo and logprobs is not None else (0 if echo and max_tokens == 0 else None)
+    def default(name: str, value):   # the request's, else the model's (generation_config.json), else value
+        given = getattr(req, name)
+        return given if given is not None else state.sampling_defaults.get(name, value)
+
     choices = []
     for p, prompt_ids in enumerate(prompts):
         echo_text = None
@@ -203,15 +209,16 @@ async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choic
         for i in range(req.n):
             try:
                 params = SamplingParams(
-                    max_tokens=budget, temperature=1.0 if req.temperature is None else req.temperature,
-                    top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+                    max_tokens=budget, temperature=default("temperature", 1.0),
+                    top_p=default("top_p", 1.0), top_k=default("top_k", 0) or 0,
                     # seed -1: none (vLLM's, and clients' "random"); choice i of n gets seed + i.
                     seed=None if req.seed in (None, -1) else (req.seed + i) % 2**64, stop=req.stops,
                     stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
                     min_tokens=req.min_tokens if max_tokens is not None else min(req.min_tokens, budget),
                     logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                     presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                    repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens,
+                    repetition_penalty=default("repetition_penalty", 1.0),
+                    skip_special_tokens=req.skip_special_tokens,
                     include_stop_str_in_output=req.include_stop_str_in_output,
                     logit_bias={int(t): b for t, b in req.logit_bias.items()} if req.logit_bias else None)
             except InvalidRequestError as e:
@@ -717,7 +724,11 @@ def create_app(engine: LLMEngine | EngineCoreClient | EngineGroup, cfg: EngineCo
     state = ServerState(cfg=cfg, model_name=model_name(cfg), metrics=ServerMetrics(backend.snapshot),
                         async_engine=backend,
                         max_token_bytes=max(len(t.encode("utf-8", "replace")) for t in tokenizer.get_vocab()),
-                        token_text=logprobs_json.TokenText(tokenizer))
+                        token_text=logprobs_json.TokenText(tokenizer),
+                        sampling_defaults=load_sampling_defaults(cfg.target.path))
+    if state.sampling_defaults:
+        logger.info("requests that leave them out get the model's sampling defaults "
+                    "(generation_config.json): %s", state.sampling_defaults)
     app = web.Application(middlewares=[_errors, _auth], client_max_size=protocol.MAX_BODY_BYTES)
     app[STATE] = state
 

@@ -136,7 +136,7 @@ class _Request(Struct, kw_only=True):
     ignore_eos: bool = False
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] = 1.0   # vLLM's extension
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] | None = None   # vLLM's extension
     logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_BIASED_TOKENS)] | None = None   # token id -> bias
     # vLLM's: whether the output text shows special tokens, whether a text prompt is encoded
     # with them (None: yes for completions; no for chat, whose template writes them), and

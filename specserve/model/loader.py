@@ -221,6 +221,24 @@ def load_tokenizer(path):
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {e}") from e
 
 
+def load_sampling_defaults(path) -> dict:
+    """The model's own sampling defaults: generation_config.json's temperature, top_p, top_k
+    and repetition_penalty, for requests that leave them out (as vLLM applies them); {} when
+    it names none. A value SamplingParams refuses is an error naming the file."""
+    from specserve.errors import InvalidRequestError
+    from specserve.sampling import SamplingParams
+
+    file = _model_dir(path) / "generation_config.json"
+    data = _read_json(file) if file.is_file() else {}
+    defaults = {name: data[name] for name in ("temperature", "top_p", "top_k", "repetition_penalty")
+                if data.get(name) is not None}
+    try:
+        SamplingParams(**defaults)
+    except (InvalidRequestError, TypeError) as e:
+        raise ModelLoadError(f"{file}: {e}") from None
+    return defaults
+
+
 def load_eos_token_ids(path) -> list[int]:
     """End-of-sequence ids: generation_config.json's eos_token_id (an int or a list; Llama 3
     lists several), else config.json's; [] if neither names one."""

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specserve.errors import ModelLoadError
-from specserve.model.loader import load_eos_token_ids, load_hf_config, load_model, load_tokenizer
+from specserve.model.loader import (load_eos_token_ids, load_hf_config, load_model, load_sampling_defaults,
+                                    load_tokenizer)
 from tests.checkpoints import rewrite_config
 
 
@@ -191,3 +192,19 @@ def test_tokenizer(ckpt):
         (ckpt / f).unlink()
     with pytest.raises(ModelLoadError, match="no tokenizer.json or tokenizer_config.json in .*ckpt"):
         load_tokenizer(ckpt)
+
+
+def test_sampling_defaults_from_generation_config(ckpt):
+    """generation_config.json's temperature, top_p, top_k and repetition_penalty are the
+    model's sampling defaults (vLLM applies them); other keys are not; a value SamplingParams
+    refuses names the file."""
+    file = ckpt / "generation_config.json"
+    base = json.loads(file.read_text()) if file.is_file() else {}
+    file.write_text(json.dumps({**base, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True,
+                                "max_new_tokens": 9}))
+    assert load_sampling_defaults(ckpt) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    file.write_text(json.dumps({**base, "temperature": -1.0}))
+    with pytest.raises(ModelLoadError, match="generation_config.json: temperature must be"):
+        load_sampling_defaults(ckpt)
+    file.unlink()
+    assert load_sampling_defaults(ckpt) == {}

@@ -69,11 +69,11 @@ def raw_logits(checkpoint):
         return model(torch.tensor([PROMPT])).logits[0, -1]
 
 
-def parse(body: dict, chat: bool = False, max_model_len: int = 2048):
+def parse(body: dict, chat: bool = False, max_model_len: int = 2048, defaults: dict | None = None):
     """server.app._parse on a stand-in server state: the SamplingParams of each choice."""
     state = SimpleNamespace(async_engine=SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids: ""),
                                                          max_model_len=max_model_len),
-                            max_token_bytes=64, model_name="m")
+                            max_token_bytes=64, model_name="m", sampling_defaults=defaults or {})
     choices, *_ = asyncio.run(_parse(state, json.dumps(body).encode(), chat))
     return [c.params for c in choices]
 
@@ -192,3 +192,14 @@ def test_min_tokens_above_max_tokens_is_refused():
     with pytest.raises(ApiError) as e:
         parse({"prompt": [1, 2, 3], "max_tokens": 10, "min_tokens": 50})
     assert e.value.status == 400 and e.value.param == "min_tokens"
+
+
+def test_the_models_sampling_defaults_fill_what_a_request_leaves_out():
+    """As vLLM: generation_config.json's temperature, top_p, top_k, repetition_penalty stand in
+    for fields the request leaves out; a field the request sends wins, -1 and 0 included."""
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1}
+    (p,) = parse({"prompt": [1, 2, 3]}, defaults=defaults)
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.6, 0.95, 20, 1.1)
+    (p,) = parse({"prompt": [1, 2, 3], "temperature": 0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0},
+                 defaults=defaults)
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.0, 1.0, -1, 1.0)

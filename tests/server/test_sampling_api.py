@@ -141,3 +141,31 @@ def test_the_provenance_extension_is_opt_in_and_adds_up(server):
     assert 0 < drafted == server.engine.spec.totals.num_accepted_tokens - before
     _, plain = post(server, "/chat/completions", {"messages": messages, "max_tokens": 8, "stream": True})
     assert "provenance" not in plain
+
+
+def test_the_models_generation_config_sets_the_sampling_defaults(server_target, server_draft, tmp_path):
+    """A model whose generation_config.json says temperature 0 (and top_k 5): a request that
+    leaves temperature out is greedy, one that sends it samples, as vLLM applies the model's
+    defaults."""
+    import shutil
+
+    from specserve.engine import LLMEngine
+    from tests.server.conftest import ServerThread
+
+    target = shutil.copytree(server_target, tmp_path / "target")
+    file = target / "generation_config.json"
+    config = json.loads(file.read_text()) if file.is_file() else {}
+    file.write_text(json.dumps({**config, "temperature": 0.0, "top_k": 5}))
+    cfg = engine_config(target, server_draft, spec_mode="static", spec_depth=3)
+    greedy = LLM(cfg, progress=False).generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                     ignore_eos=True))[0].text
+    srv = ServerThread(LLMEngine(cfg, progress=False), cfg)
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True}
+        texts = [json.loads(post(srv, "/completions", body)[1])["choices"][0]["text"] for _ in range(2)]
+        assert texts == [greedy, greedy]
+        sampled = {json.loads(post(srv, "/completions", {**body, "temperature": 5.0, "top_k": -1, "seed": s})[1])
+                   ["choices"][0]["text"] for s in range(4)}
+        assert len(sampled) > 1
+    finally:
+        srv.stop()
