@@ -47,3 +47,12 @@ def hf(models):
             module.forward = lambda x, m=module: m.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True)
                                                                             + m.variance_epsilon))
     return model
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small forwards on a shared 2-core machine: one intra-op thread, restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

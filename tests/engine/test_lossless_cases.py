@@ -22,7 +22,7 @@ from specserve import LLM, SamplingParams
 from specserve.sampling import target_probs
 from tests.checkpoints import make_checkpoint
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/engine/conftest.py
 
 VOCAB = 12
 PROMPT = [3, 4, 5, 6]

@@ -25,7 +25,7 @@ from specserve.sampling import penalize, target_probs
 from specserve.server.app import ApiError, _parse
 from tests.checkpoints import make_checkpoint
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/engine/conftest.py
 
 PROMPT = [5, 6, 7]
 

@@ -36,14 +36,13 @@ import functools
 import os
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specserve import LLM, SamplingParams
 from specserve.engine import LLMEngine
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/engine/conftest.py
 
 EOS = 1                  # tests/checkpoints.py: <|bos|> 0, <|eos|> 1, <|pad|> 2
 ORACLE_TOKENS = 28
