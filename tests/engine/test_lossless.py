@@ -149,8 +149,10 @@ def test_speculative_sampling_with_a_frequency_penalty_and_logit_bias(pair, tree
 
 def test_chains_that_stop_early_still_follow_the_target(pair, monkeypatch):
     """Early stop (controller.EarlyStop) ends a chain before its first node whose path
-    probability does not pay for its row: the chain's length depends on the draft's own draws
-    only, so each verified position is still the target's distribution, and so is the output.
+    probability does not pay for its row. A sampled node is kept by its own draw, so it is
+    verified against the draft's law restricted to the tokens that pass (test_lossless_cases.py
+    holds the bar that cuts first nodes, where verifying against the draft's own law leaves the
+    target's distribution); each verified position is the target's, and so is the output.
     Four tokens: x1 from the prefill, then a step that may draft x2 and x3 (x4 is its bonus),
     each kept while the draft's path probability is above 0.15."""
     from specserve.controller import EarlyStop, Plan
