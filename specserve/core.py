@@ -16,6 +16,7 @@ while a new core starts on fresh sockets, and `restarts` counts it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -291,6 +292,16 @@ class EngineCoreClient:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+        try:
+            await self._ready()
+        except EngineDeadError:   # nothing of a core that did not start stays behind
+            self._push.close()
+            self._pull.close()
+            if self._proc.is_alive():
+                self._proc.kill()
+            raise
+
+    async def _ready(self) -> None:
         deadline = time.monotonic() + _START_TIMEOUT_S
         while time.monotonic() < deadline:
             if await self._pull.poll(int(_POLL_S * 1000)):
@@ -508,9 +519,10 @@ class EngineGroup:
         self.inflight[i] += 1
         self.routed[i] += 1
         self._core_of[request_id] = i
-        try:
-            async for out in self.cores[i].generate(prompt, params, request_id):
-                yield out
+        try:   # closed with this stream, the core's stream aborts its request at once
+            async with contextlib.aclosing(self.cores[i].generate(prompt, params, request_id)) as outs:
+                async for out in outs:
+                    yield out
         finally:
             self.inflight[i] -= 1
             self._core_of.pop(request_id, None)

@@ -225,3 +225,21 @@ def test_stop_tokens_and_min_tokens_end_the_text_as_vllm_does(core_server, cfg):
                 assert out["usage"]["completion_tokens"] == len(ref.token_ids)
     finally:
         in_process.stop()
+
+
+def test_a_core_that_cannot_start_leaves_no_socket_or_process(server_target, tmp_path):
+    """A core whose model cannot load exits while starting: start() says so, and neither its
+    process nor the sockets opened for it stay behind (a restart loop would pile them up)."""
+    import asyncio
+
+    from specserve.engine import EngineDeadError
+
+    good = EngineCoreClient(engine_config(server_target, None))
+    broken = EngineCoreClient(engine_config(tmp_path / "gone", None), tokenizer=good.tokenizer)
+
+    async def start() -> None:
+        with pytest.raises(EngineDeadError, match="while starting"):
+            await broken.start()
+
+    asyncio.run(start())
+    assert broken._push.closed and broken._pull.closed and not broken._proc.is_alive()
