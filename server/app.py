@@ -191,6 +191,7 @@ async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choic
     else:   # echo with max_tokens 0 needs the prompt's logprobs (that is all it computes)
         logprobs, echo = req.logprobs, req.echo
         prompt_logprobs = logprobs if echo and logprobs is not None else (0 if echo and max_tokens == 0 else None)
+
     def default(name: str, value):   # the request's, else the model's (generation_config.json), else value
         given = getattr(req, name)
         return given if given is not None else state.sampling_defaults.get(name, value)
