@@ -10,10 +10,10 @@ a deployment handle whose request router (`PrefixAffinityRouter`) prefers the re
 served the longest prefix of the request's prompt, unless it has `slack` more requests in
 flight than the least loaded one, and otherwise the least loaded (ties in turn); Ray falls
 back to every replica when that one's queue is full. Ray Serve replaces a replica that
-dies; its requests in flight end with an error event and [DONE]. With --max-replicas the replicas scale between the two
-counts on requests in flight per replica (Ray Serve's target_ongoing_requests). SIGTERM
-drains at the Ingress (new requests 503, those in flight finish within the shutdown timeout)
-before the deployment is shut down.
+dies; its requests in flight end with an error event and [DONE]. With --max-replicas the
+replicas scale between the two counts on requests in flight per replica (Ray Serve's
+target_ongoing_requests). SIGTERM drains at the Ingress (new requests 503, those in flight
+finish within the shutdown timeout) before the deployment is shut down.
 
 Ray is an optional extra: `pip install -e ".[ray]"`.
 """
