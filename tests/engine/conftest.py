@@ -56,3 +56,29 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def early_stop_at(monkeypatch, bar: float, depth: int) -> list:
+    """Make every plan draft chains of up to `depth` nodes under an EarlyStop that keeps a
+    node while its path probability is above `bar` (goodput, ratio and rate 1, no level cost,
+    a row costing `bar`); returns the list every drafted tree is appended to."""
+    from specserve.controller import EarlyStop, Plan
+    from specserve.drafts.model import ModelDrafter
+    from specserve.spec import Speculator
+
+    trees = []
+    real = ModelDrafter.propose
+
+    def propose(self, seqs, shape, prefills):
+        out = real(self, seqs, shape, prefills)
+        trees.extend(out)
+        return out
+
+    def plan(self, running):
+        nodes = {r.request_id: min(depth, r.num_tokens_left - 1) for r in running if r.num_tokens_left > 1}
+        B = len(running)
+        return Plan(depth, nodes, EarlyStop(1.0, 1.0, 1.0, 0.0, [bar * B * r for r in range(8)], B, rows=B))
+
+    monkeypatch.setattr(ModelDrafter, "propose", propose)
+    monkeypatch.setattr(Speculator, "plan", plan)
+    return trees

@@ -30,6 +30,7 @@ from specserve import LLM, SamplingParams
 from specserve.kernels import ops
 from specserve.sampling import target_probs
 from tests.checkpoints import make_checkpoint
+from tests.engine.conftest import early_stop_at
 
 VOCAB = 12
 PROMPT = [3, 4, 5, 6]
@@ -155,25 +156,7 @@ def test_chains_that_stop_early_still_follow_the_target(pair, monkeypatch):
     target's distribution); each verified position is the target's, and so is the output.
     Four tokens: x1 from the prefill, then a step that may draft x2 and x3 (x4 is its bonus),
     each kept while the draft's path probability is above 0.15."""
-    from specserve.controller import EarlyStop, Plan
-    from specserve.drafts.model import ModelDrafter
-    from specserve.spec import Speculator
-
-    trees = []
-    real = ModelDrafter.propose
-
-    def propose(self, seqs, shape, prefills):
-        out = real(self, seqs, shape, prefills)
-        trees.extend(out)
-        return out
-
-    def plan(self, running):
-        nodes = {r.request_id: min(3, r.num_tokens_left - 1) for r in running if r.num_tokens_left > 1}
-        B = len(running)
-        return Plan(3, nodes, EarlyStop(1.0, 1.0, 1.0, 0.0, [0.15 * B * r for r in range(8)], B, rows=B))
-
-    monkeypatch.setattr(ModelDrafter, "propose", propose)
-    monkeypatch.setattr(Speculator, "plan", plan)
+    trees = early_stop_at(monkeypatch, bar=0.15, depth=3)
     target, draft = pair
     exact = exact_joint(target, length=4)
     n = 3000

@@ -21,6 +21,7 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.sampling import target_probs
 from tests.checkpoints import make_checkpoint
+from tests.engine.conftest import early_stop_at
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/engine/conftest.py
 
@@ -129,26 +130,7 @@ def test_early_stop_that_cuts_a_sampled_node_by_its_own_probability_stays_lossle
     emits x2 (accepted, then a bonus x3) or the bonus in its place; (x1, x2) must follow the
     target's joint. Verified against the unrestricted q, the exact TV is ~0.21, far above the
     bound (0.086)."""
-    from specserve.controller import EarlyStop, Plan
-    from specserve.drafts.model import ModelDrafter
-    from specserve.spec import Speculator
-
-    trees = []
-    real = ModelDrafter.propose
-
-    def propose(self, seqs, shape, prefills):
-        out = real(self, seqs, shape, prefills)
-        trees.extend(out)
-        return out
-
-    def plan(self, running):
-        nodes = {r.request_id: 1 for r in running if r.num_tokens_left > 1}
-        B = len(running)
-        # goodput 1, ratio 1, rate 1, no level cost, a row costs 0.3: keep a node iff q > 0.3
-        return Plan(1, nodes, EarlyStop(1.0, 1.0, 1.0, 0.0, [0.3 * B * r for r in range(8)], B, rows=B))
-
-    monkeypatch.setattr(ModelDrafter, "propose", propose)
-    monkeypatch.setattr(Speculator, "plan", plan)
+    trees = early_stop_at(monkeypatch, bar=0.3, depth=1)
     target, draft = pair
     n = 2000
     params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=7 * 10**6 + i, ignore_eos=True)
