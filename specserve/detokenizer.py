@@ -71,6 +71,14 @@ class IncrementalDetokenizer:
         self._ids = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])   # the decode window, trimmed as we go
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        # A token-id prompt may end inside a character: its last bytes are not text shown yet
+        # but the start of the output's first character (at most 3 bytes follow a first byte).
+        # A prompt ending in the character U+FFFD itself reads the same: that character then
+        # begins the output's text too.
+        for _ in range(3):
+            if not self._read_offset or not self._decode(self._ids[: self._read_offset]).endswith("\ufffd"):
+                break
+            self._read_offset -= 1
         self._prefix_text: str | None = None    # decode(ids[prefix_offset:read_offset]), cached
         self._held = ""                          # decoded, not yet emitted (may begin a stop string)
 
@@ -91,12 +99,20 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._ids[self._prefix_offset :])
         if len(new_text) <= len(self._prefix_text) or new_text.endswith("\ufffd"):
             return ""    # nothing new yet, or an incomplete character: wait for more bytes
-        delta = new_text[len(self._prefix_text) :]
+        delta = self._new_text(new_text)
         # The emitted tokens become the context window of the next decode.
         del self._ids[: self._read_offset]
         self._prefix_offset, self._read_offset = 0, len(self._ids)
         self._prefix_text = None
         return delta
+
+    def _new_text(self, new_text: str) -> str:
+        """The text of ids[read_offset:] given new_text = decode(ids[prefix_offset:]). Where the
+        decoder rewrote the context (ByteFallback turns a run of byte tokens holding an invalid
+        byte into one U+FFFD per byte) the new tokens are decoded alone."""
+        if new_text.startswith(self._prefix_text):
+            return new_text[len(self._prefix_text) :]
+        return self._decode(self._ids[self._read_offset :])
 
     def _advance(self, piece: str) -> tuple[int, str] | None:
         """Run the automata over `piece`; (index just past the match in piece, stop string) of
@@ -163,7 +179,7 @@ class IncrementalDetokenizer:
         if len(self._ids) > self._read_offset:
             if self._prefix_text is None:
                 self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-            tail = self._decode(self._ids[self._prefix_offset :])[len(self._prefix_text) :]
+            tail = self._new_text(self._decode(self._ids[self._prefix_offset :]))
             del self._ids[: len(self._ids)]
             self._prefix_offset = self._read_offset = 0
             self._prefix_text = None
