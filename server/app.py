@@ -252,6 +252,8 @@ class _Run:
         self.drafted: list[list[bool]] = [[] for _ in choices]
         self.pieces_sent = [0] * len(choices)
         self.utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in choices] if provenance else []
+        self.unshown: list[list[list]] = [[] for _ in choices]   # per token: [characters not sent, drafted?, 1 or 0]
+        self.special_ids = set(state.async_engine.tokenizer.all_special_ids) if provenance else set()
 
     async def first_outputs(self) -> list[RequestOutput]:
         """Admit every choice and wait for its first output; the first refusal (400, 429, 503) wins."""
@@ -365,19 +367,32 @@ class _Run:
 
     def pieces(self, i: int, out: RequestOutput) -> list[list]:
         """Choice i's tokens not sent yet as [text, accepted draft tokens?, number of tokens],
-        one piece per run of tokens of one provenance."""
+        one piece per run of tokens of one provenance. The texts are the chunk's text shared
+        out in token order, each token taking as many characters as its own text has: text
+        the output leaves out (a stop string, the EOS token's, skipped special tokens) is in
+        no piece, and a token whose text is held back takes it in a later chunk."""
         start, end = self.pieces_sent[i], len(out.token_ids)
         self.pieces_sent[i] = end
-        pieces: list[list] = []
+        queue = self.unshown[i]
+        skip = self.special_ids if self.choices[i].params.skip_special_tokens else ()
         for tok, drafted in zip(out.token_ids[start:end], self.drafted[i][start:end]):
-            text = self.utf8[i].decode(self.state.token_text.bytes(tok))
-            if pieces and pieces[-1][1] == drafted:
-                pieces[-1][0] += text
-                pieces[-1][2] += 1
+            n = 0 if tok in skip else len(self.utf8[i].decode(self.state.token_text.bytes(tok)))
+            queue.append([n, drafted, 1])
+        text, pieces = out.new_text, []
+        while queue and (text or queue[0][0] == 0 or out.finished):
+            n, drafted, count = queue[0]
+            share, text = text[:n], text[n:]
+            if len(share) < n and not out.finished:
+                queue[0] = [n - len(share), drafted, 0]   # the rest of its text comes later
             else:
-                pieces.append([text, drafted, 1])
-        if out.finished and (rest := self.utf8[i].decode(b"", final=True)):
-            pieces.append([rest, False, 0])
+                queue.pop(0)
+            if pieces and pieces[-1][1] == drafted:
+                pieces[-1][0] += share
+                pieces[-1][2] += count
+            elif share or count:
+                pieces.append([share, drafted, count])
+        if text:   # text no token accounts for (the U+FFFD of bytes left at the end)
+            pieces.append([text, False, 0])
         return pieces
 
     def usage(self, i: int | None = None) -> dict:

@@ -9,7 +9,10 @@ prompt's tokens come first, the first with null. `text_offset` counts characters
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")   # SentencePiece's byte-fallback tokens
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -34,14 +37,26 @@ class TokenText:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         byte_level = backend is not None and type(backend.decoder).__name__ == "ByteLevel"
         self._alphabet = _byte_level_alphabet() if byte_level else None
+        self._added = set(getattr(tokenizer, "added_tokens_decoder", {}))   # their text is their content
         self.bytes = lru_cache(maxsize=1 << 16)(self._bytes)
 
     def _bytes(self, token_id: int) -> bytes:
+        """The token's own bytes: a byte-level piece mapped back through the alphabet; a
+        SentencePiece byte token (`<0xE2>`) its byte; another SentencePiece piece decoded, with
+        the leading space (`▁`) decode strips from a lone token put back, as vLLM does."""
+        text = self.tokenizer.decode([token_id])
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if piece is None or token_id in self._added:
+            return text.encode("utf-8")
         if self._alphabet is not None:
-            piece = self.tokenizer.convert_ids_to_tokens(token_id)
-            if piece is not None and all(c in self._alphabet for c in piece):
+            if all(c in self._alphabet for c in piece):
                 return bytes(self._alphabet[c] for c in piece)
-        return self.tokenizer.decode([token_id]).encode("utf-8")
+        elif m := _BYTE_PIECE.fullmatch(piece):
+            return bytes([int(m.group(1), 16)])
+        else:
+            missing = (len(piece) - len(piece.lstrip("▁"))) - (len(text) - len(text.lstrip(" ")))
+            return (" " * max(missing, 0) + text).encode("utf-8")
+        return text.encode("utf-8")
 
     def text(self, token_id: int) -> str:
         """The token as text; one that is not whole UTF-8 (part of a character) as OpenAI
