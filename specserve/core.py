@@ -30,7 +30,7 @@ import msgspec
 from specserve.config import EngineConfig
 from specserve.detokenizer import IncrementalDetokenizer
 from specserve.engine import EngineDeadError, QueueFullError, RequestOutput, outputs
-from specserve.errors import InvalidRequestError
+from specserve.errors import InvalidRequestError, SpecserveError
 from specserve.sampling import SamplingParams
 
 logger = logging.getLogger("specserve")
@@ -81,6 +81,10 @@ class Ready(msgspec.Struct, tag=True):
     snapshot: dict
 
 
+class Failed(msgspec.Struct, tag=True):   # the engine could not be built: why, in one line
+    message: str
+
+
 class Step(msgspec.Struct, tag=True):
     outputs: list[CoreOutput]
     snapshot: dict | None
@@ -101,7 +105,11 @@ class Reply(msgspec.Struct, tag=True):
 
 
 ToCore = AddRequest | Abort | SetSpeculation | Shutdown
-FromCore = Ready | Step | Refused | Reply
+FromCore = Ready | Step | Refused | Reply | Failed
+
+
+class EngineStartError(EngineDeadError, SpecserveError):
+    """The engine core could not be built (a bad checkpoint or setting): a user's error."""
 
 
 # -- the core process -------------------------------------------------------------------------
@@ -131,7 +139,16 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, cpus: list[int] 
     inbox.connect(in_addr)
     outbox.connect(out_addr)
     encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(ToCore).decode
-    engine = LLMEngine(config, progress=False, detokenize=False)   # the API server detokenizes
+    try:
+        engine = LLMEngine(config, progress=False, detokenize=False)   # the API server detokenizes
+    except Exception as e:   # the message goes to the server; a bad checkpoint or setting is no bug to trace
+        if not isinstance(e, SpecserveError):
+            logger.exception("the engine could not start")
+        outbox.send(encode(Failed(str(e) if isinstance(e, SpecserveError) else f"{type(e).__name__}: {e}")))
+        inbox.close(linger=0)
+        outbox.close(linger=5000)   # the message is delivered before the process ends
+        ctx.term()
+        raise SystemExit(1) from None
     outbox.send(encode(Ready(engine.max_model_len, engine.snapshot())))
     first_output: set[str] = set()   # requests whose first output is still to come
     last_snapshot, stepped = 0.0, False
@@ -310,6 +327,9 @@ class EngineCoreClient:
                     self.max_model_len, self._snapshot = msg.max_model_len, msg.snapshot
                     logger.info("engine core ready (pid %d)", self._proc.pid)
                     return
+                if isinstance(msg, Failed):
+                    await asyncio.to_thread(self._proc.join, 10.0)
+                    raise EngineStartError(f"the engine core exited while starting: {msg.message}")
             elif not self._proc.is_alive():
                 raise EngineDeadError(f"the engine core exited with code {self._proc.exitcode} while starting")
         raise EngineDeadError(f"the engine core did not start within {_START_TIMEOUT_S} s")
@@ -330,13 +350,15 @@ class EngineCoreClient:
         self._push.close()
         self._pull.close()
         self.restarts += 1
+        delay = 1.0
         while not self._stopping:
             try:
                 await self._spawn()
                 break
-            except EngineDeadError as e:   # a core that cannot start: try again, not in a tight loop
-                logger.error("%s; trying again", e)
-                await asyncio.sleep(1.0)
+            except EngineDeadError as e:   # a core that cannot start: try again, less and less often
+                logger.error("%s; trying again in %.0f s", e, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 30.0)
         self.restarting = False
 
     def _dispatch(self, msg) -> None:
