@@ -247,6 +247,8 @@ def load(path: str | os.PathLike) -> EngineConfig:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (TOML files are UTF-8): {e}") from None
     return from_dict(data, source=str(p), base_dir=p.resolve().parent)
 
 

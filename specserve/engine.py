@@ -99,10 +99,12 @@ class LLMEngine:
         )
         self.tokenizer = load_tokenizer(config.target.path)
         self.eos_token_ids = load_eos_token_ids(config.target.path)
-        self.max_model_len = min(
-            config.target.max_model_len or self.target_args.max_position_embeddings,
-            self.target_args.max_position_embeddings,
-        )
+        positions = self.target_args.max_position_embeddings
+        if config.target.max_model_len and config.target.max_model_len > positions:
+            raise config_mod.ConfigError(
+                f"target.max_model_len = {config.target.max_model_len} is more than the {positions} positions "
+                f"of {config.target.path} (max_position_embeddings in its config.json)")
+        self.max_model_len = config.target.max_model_len or positions
 
         draft_model = draft_args = None
         if config.draft.kind == "model":
@@ -119,6 +121,12 @@ class LLMEngine:
                     f"{needed} token ids of the target ({config.target.path}): the pair must share one tokenizer"
                 )
             self._check_same_tokenizer(config.draft.path)
+            spec = config.spec
+            width = max(spec.branching, default=0) if spec.tree == "fixed" else spec.topk if spec.tree == "dynamic" else 1
+            if width > draft_args.vocab_size:
+                key = "spec.branching" if spec.tree == "fixed" else "spec.topk"
+                raise config_mod.ConfigError(f"{key} asks for {width} children of a node, more than the "
+                                             f"{draft_args.vocab_size} tokens of the draft's vocabulary")
             self.max_model_len = min(self.max_model_len, draft_args.max_position_embeddings)
 
         # One pool: every block holds `block_size` positions of BOTH models' KV.
@@ -303,17 +311,15 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        if isinstance(prompt, str):
-            prompt_ids = self.tokenizer.encode(prompt)
-        else:
-            prompt_ids = list(prompt)
-            vocab = self.target_args.vocab_size
-            bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}", param="prompt")
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.target_args.vocab_size
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            why = (" (its text: the tokenizer has more tokens than the model's vocab_size)"
+                   if isinstance(prompt, str) else "")
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}{why}", param="prompt")
         if not prompt_ids:
             raise InvalidRequestError("prompt is empty", param="prompt")
-        vocab = self.target_args.vocab_size
         if params.logit_bias and (bad := [t for t in params.logit_bias if t >= vocab]):
             raise InvalidRequestError(f"logit_bias names token ids outside the vocabulary [0, {vocab}): {bad[:5]}",
                                       param="logit_bias")

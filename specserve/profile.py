@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import random
@@ -79,8 +80,16 @@ def load(key: dict) -> CapacityCurve | None:
                               c["context_s"])
         if curve.max_rows != key["max_rows"] or curve.buckets != key["buckets"]:
             raise ValueError("its table has another shape")
-        if not all(x > 0 for row in c["verify_s"] for x in row):
+        n = len(key["buckets"])
+        if (any(len(row) != key["max_rows"] for row in c["verify_s"])
+                or len(c["level_s"]) != n or len(c["context_s"]) != n or any(len(x) != 2 for x in c["context_s"])
+                or (c.get("rest_s") is not None and len(c["rest_s"]) != n)):
+            raise ValueError("its table has another shape")
+        if not all(x > 0 and math.isfinite(x) for row in c["verify_s"] for x in row):
             raise ValueError("it holds non-positive times")
+        others = [*c["level_s"], *(c.get("rest_s") or []), *(x for pair in c["context_s"] for x in pair)]
+        if not all(isinstance(x, (int, float)) and math.isfinite(x) and x >= 0 for x in others):
+            raise ValueError("it holds negative or non-finite times")
         return curve
     except (OSError, ValueError, KeyError, TypeError, AssertionError, IndexError) as e:
         logger.warning("ignoring the cached profile %s: %s", path, e)
@@ -90,7 +99,7 @@ def load(key: dict) -> CapacityCurve | None:
 def save(key: dict, curve: CapacityCurve) -> Path:
     path = _path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.{time.monotonic_ns()}.tmp")   # one per writer
     tmp.write_text(json.dumps({"key": key, "curve": curve.to_dict()}))
     tmp.replace(path)   # atomic: a reader never sees half a profile
     return path
@@ -123,7 +132,10 @@ def probe(engine, buckets: list[int], max_rows: int, thorough: bool = False,
     strewn = list(range(num_blocks))
     random.Random(0).shuffle(strewn)   # a served batch's blocks lie all over the pool
 
-    longer = min(longer, engine.max_model_len - max_rows)
+    room = engine.max_model_len   # a dummy sequence's positions must exist in the model (rope tables)
+    rows = [r for r in rows if r <= room] or [1]
+    context = max(0, min(context, room - max(rows)))
+    longer = min(longer, room - max(rows))
 
     def dummy(batch: int, r: int, ctx: int = context) -> ForwardInput:
         per_seq = -(-(ctx + r) // block_size)

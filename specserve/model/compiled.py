@@ -29,6 +29,7 @@ agree to float32 rounding (tests/engine/test_compiled.py).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -283,20 +284,25 @@ def build_in_background(checkpoint: str, dtype: str, block_size: int, out: Path)
     if os.environ.get("SPECSERVE_COMPILE_BUILDS") == "0":
         return None
     lock = out.with_suffix(".lock")
-    out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+                lock.unlink(missing_ok=True)
+        try:
+            os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return None
+        try:
+            log = open(out.with_suffix(".log"), "w")
+        except OSError:
             lock.unlink(missing_ok=True)
-    except FileNotFoundError:
-        pass
-    try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
+            raise
+    except OSError as e:   # a read-only or missing cache directory: serve eagerly
+        logger.warning("not building the compiled forward: cannot write to %s (%s)", out.parent, e.strerror or e)
         return None
-    os.close(fd)
     cmd = [sys.executable, "-m", "specserve.model.compiled", str(checkpoint), "--dtype", dtype,
            "--block-size", str(block_size), "--out", str(out)]
-    log = open(out.with_suffix(".log"), "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, preexec_fn=lambda: os.nice(19))
 

@@ -84,6 +84,9 @@ class ModelArgs:
         for name, value in sizes.items():
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 2**31 - 1:
                 raise ModelLoadError(f"config.json: {name} = {value!r} is invalid: it must be a positive integer")
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ModelLoadError(f"config.json: hidden_act = {act!r} is not supported: the MLP is SwiGLU ('silu')")
         if num_heads % sizes["num_key_value_heads"]:
             raise ModelLoadError(f"config.json: num_attention_heads = {num_heads} is not a multiple of "
                                  f"num_key_value_heads = {sizes['num_key_value_heads']}")

@@ -52,6 +52,8 @@ def load_hf_config(path):
         raise ModelLoadError(f"config.json not found in {path}")
     data = _read_json(config_file)
     archs = data.get("architectures") or []
+    if not isinstance(archs, list):
+        raise ModelLoadError(f"{config_file}: architectures must be a list, e.g. [\"LlamaForCausalLM\"], got {archs!r}")
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{config_file}: unsupported architecture {', '.join(map(str, archs)) or '<none given>'}; "
