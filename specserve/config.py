@@ -51,6 +51,7 @@ class DraftConfig(_Section):
 
 
 MAX_DEPTH = 16   # the deepest speculation any setting may ask for
+MAX_TREE_NODES = 512   # the largest tree (draft tokens of one sequence in one step)
 
 
 class SpecConfig(_Section):
@@ -228,8 +229,20 @@ def _finish(cfg: EngineConfig, source: str, base_dir: Path | None) -> EngineConf
         raise ConfigError(
             f"{source}: draft.ngram_min = {cfg.draft.ngram_min} must be <= draft.ngram_max = {cfg.draft.ngram_max}"
         )
+    if cfg.spec.tree != "chain" and cfg.draft.kind == "ngram":
+        raise ConfigError(f"{source}: spec.tree = '{cfg.spec.tree}' needs draft.kind = 'model'; the n-gram "
+                          "drafter proposes one chain (spec.tree = 'chain')")
     if cfg.spec.tree == "fixed" and not cfg.spec.branching:
         raise ConfigError(f"{source}: spec.tree = 'fixed' needs spec.branching, e.g. [4, 2, 2, 1]")
+    nodes, width = 0, 1   # the largest tree a plan may ask for
+    for b in cfg.spec.branching[:cfg.spec.max_depth] if cfg.spec.tree == "fixed" else []:
+        width *= b
+        nodes += width
+    nodes = cfg.spec.num_nodes if cfg.spec.tree == "dynamic" else nodes
+    if nodes > MAX_TREE_NODES:
+        key = "spec.branching" if cfg.spec.tree == "fixed" else "spec.num_nodes"
+        raise ConfigError(f"{source}: {key} makes trees of {nodes} nodes; at most {MAX_TREE_NODES} (each node is a "
+                          "row of every verify pass)")
     if cfg.server.engines > 1 and not cfg.server.engine_process:
         raise ConfigError(f"{source}: server.engines = {cfg.server.engines} runs each engine core in a process of "
                           "its own; it cannot be combined with server.engine_process = false")

@@ -85,6 +85,13 @@ def test_cross_field_checks():
         C.from_dict({"spec": {"depth": 9, "max_depth": 4}})
     with pytest.raises(ConfigError, match="draft.path"):
         C.from_dict({"draft": {"kind": "model", "path": ""}})
+    with pytest.raises(ConfigError, match="spec.tree = 'dynamic' needs draft.kind = 'model'.*one chain"):
+        C.from_dict({"draft": {"kind": "ngram"}, "spec": {"tree": "dynamic"}})
+    with pytest.raises(ConfigError, match="spec.branching makes trees of 1118480 nodes"):
+        C.from_dict({"spec": {"tree": "fixed", "branching": [16, 16, 16, 16, 16]}})
+    with pytest.raises(ConfigError, match="spec.num_nodes makes trees of 513 nodes; at most 512"):
+        C.from_dict({"spec": {"tree": "dynamic", "num_nodes": 513}})
+    C.from_dict({"spec": {"tree": "fixed", "branching": [16, 16, 16, 16, 16], "depth": 2, "max_depth": 2}})   # 272 nodes
 
 
 def test_invalid_toml_and_missing_file(tmp_path):
@@ -115,8 +122,7 @@ seed = 7
 path = "t"
 dtype = "float64"
 [draft]
-kind = "ngram"
-ngram_max = 3
+path = "d"
 [spec]
 mode = "static"
 depth = 3
@@ -140,16 +146,16 @@ enable_chunked_prefill = false
 def test_with_overrides():
     base = C.default()
     cfg = C.with_overrides(base, target="/m/t", draft="ngram", dtype="float64", device="cpu", block_size=8,
-                           spec_depth=2, spec_tree="dynamic", spec__num_nodes=5, max_num_seqs=3, seed=11)
+                           spec_depth=2, spec_tree="chain", spec__num_nodes=5, max_num_seqs=3, seed=11)
     assert cfg.target.path == "/m/t" and cfg.draft.kind == "ngram"
     assert cfg.target.dtype == cfg.draft.dtype == "float64"
-    assert cfg.cache.block_size == 8 and cfg.spec.depth == 2 and cfg.spec.tree == "dynamic"
+    assert cfg.cache.block_size == 8 and cfg.spec.depth == 2 and cfg.spec.tree == "chain"
     assert cfg.spec.num_nodes == 5 and cfg.scheduler.max_num_seqs == 3 and cfg.seed == 11 and cfg.device == "cpu"
     # The base is not modified.
     assert base.cache.block_size == 16 and base.draft.kind == "model"
     # A draft path switches the kind back to model.
-    cfg2 = C.with_overrides(cfg, draft="/m/d")
-    assert cfg2.draft.kind == "model" and cfg2.draft.path == "/m/d"
+    cfg2 = C.with_overrides(cfg, draft="/m/d", spec_tree="dynamic")
+    assert cfg2.draft.kind == "model" and cfg2.draft.path == "/m/d" and cfg2.spec.tree == "dynamic"
     # None means "leave as is".
     assert C.with_overrides(base, block_size=None).cache.block_size == 16
 
