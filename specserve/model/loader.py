@@ -190,6 +190,9 @@ def load_model(path, dtype="auto", device="cpu", progress: bool = True) -> tuple
                     )
                 with torch.no_grad():
                     param.copy_(tensor)
+                    if not bool(torch.isfinite(param).all()):   # it would serve garbage, silently
+                        raise ModelLoadError(f"tensor {hf_name} in {f} holds NaN or infinite values "
+                                             f"(as {param.dtype} too): the checkpoint is damaged")
                 loaded.add(hf_name)
     if unexpected:
         more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""

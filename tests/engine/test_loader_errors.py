@@ -109,6 +109,18 @@ def test_wrong_shape(ckpt):
     assert "[16, 64]" in msg and "expected [32, 64]" in msg
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e39])   # 1e39: finite in float64, not in float32
+def test_weights_that_are_not_finite_are_named(ckpt, bad):
+    def spoil(t):
+        t["model.layers.1.mlp.down_proj.weight"] = t["model.layers.1.mlp.down_proj.weight"].double()
+        t["model.layers.1.mlp.down_proj.weight"][3, 5] = bad
+
+    edit_weights(ckpt, spoil)
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.mlp\.down_proj\.weight in .*model\.safetensors "
+                                             r"holds NaN or infinite values \(as torch.float32"):
+        load_model(ckpt, dtype="float32", progress=False)
+
+
 def test_unexpected_tensor(ckpt):
     def add(t):
         t["model.layers.0.mlp.gate_proj.bias"] = torch.zeros(128)
