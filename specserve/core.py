@@ -471,6 +471,15 @@ class EngineGroup:
         gpus = torch.cuda.device_count() if config.device in ("auto", "cuda") else 0
         cpus = sorted(os.sched_getaffinity(0))
         share = max(1, len(cpus) // num_engines)
+        per_gpu = -(-num_engines // gpus) if gpus else 0
+        if gpus and per_gpu > 1:   # engines on one GPU split it: each takes its part of the free memory it sees
+            logger.warning("%d engines on %d GPUs: up to %d share a GPU, each taking 1/%d of "
+                           "cache.memory_fraction", num_engines, gpus, per_gpu, per_gpu)
+            config = msgspec.structs.replace(config, cache=msgspec.structs.replace(
+                config.cache, memory_fraction=config.cache.memory_fraction / per_gpu))
+        elif not gpus and num_engines > len(cpus):
+            logger.warning("%d engines on %d CPUs: the last %d share one CPU", num_engines, len(cpus),
+                           num_engines - len(cpus) + 1)
         self.cores = []
         for i in range(num_engines):
             if gpus:

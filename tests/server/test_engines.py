@@ -76,3 +76,21 @@ def test_metrics_per_core_and_in_total(group_server):
     snap = group(group_server).snapshot()
     assert snap["num_drafts"] == sum(s["num_drafts"] for s in snap["engines"]) > 0
     assert "specserve_spec_num_drafts_total" in text and "specserve_prefix_cache_hits_total" in text
+
+
+def test_engines_that_share_a_gpu_split_its_memory(cfg, monkeypatch, caplog):
+    """Three engines on two GPUs: engines 0 and 2 share GPU 0, so each engine sizes its pool
+    from half of cache.memory_fraction; said in a warning."""
+    import msgspec
+    import torch
+
+    from specserve import core
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(core, "EngineCoreClient", lambda c, tokenizer=None, **placement: made.append((c, placement)))
+    on_cuda = msgspec.structs.replace(cfg, device="cuda")
+    EngineGroup(on_cuda, 3)
+    assert [p["env"]["CUDA_VISIBLE_DEVICES"] for _, p in made] == ["0", "1", "0"]
+    assert {c.cache.memory_fraction for c, _ in made} == {cfg.cache.memory_fraction / 2}
+    assert "3 engines on 2 GPUs: up to 2 share a GPU" in caplog.text
