@@ -97,6 +97,7 @@ class Choice:  # one engine request
     prompt_ids: list[int]
     params: SamplingParams
     echo: str | None = None   # completions with echo: the prompt's text, sent before the output
+    max_name: str = "max_tokens"   # the request's name for the budget (chat: max_completion_tokens if sent)
 
 
 # Prompts longer than this (characters in all) are tokenized on a worker thread, so that the
@@ -225,7 +226,7 @@ async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choic
             except InvalidRequestError as e:
                 param = max_name if e.param == "max_tokens" else e.param
                 raise ApiError(400, str(e).replace("max_tokens", max_name, 1), param) from None
-            choices.append(Choice(p * req.n + i, p, prompt_ids, params, echo_text))
+            choices.append(Choice(p * req.n + i, p, prompt_ids, params, echo_text, max_name))
     return choices, req.stream, req.stream_options or protocol.StreamOptions(), req.provenance
 
 
@@ -265,6 +266,8 @@ class _Run:
                 param = r.param
                 if param == "prompt" and self.chat:
                     param = "messages"
+                elif param == "max_tokens":   # named as the request named it
+                    param = self.choices[0].max_name
                 code = "context_length_exceeded" if "context length" in str(r) or "KV cache" in str(r) else None
                 raise ApiError(400, str(r), param, code=code)
             if isinstance(r, EngineDeadError):
@@ -436,7 +439,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         _check_serving(state)
         choices, stream, options, provenance = await _parse(state, await _read_body(request), chat)
-        waiting, limit = state.async_engine.num_waiting(), state.cfg.scheduler.max_waiting_requests
+        engine = state.async_engine   # each core's queue holds max_waiting_requests; a dead core's, none
+        cores = [c for c in engine.cores if c.is_alive] if isinstance(engine, EngineGroup) else [engine]
+        waiting = sum(c.num_waiting() for c in cores)
+        limit = state.cfg.scheduler.max_waiting_requests * max(1, len(cores))
         if waiting + len(choices) > limit:
             raise ApiError(429, f"{waiting} requests are waiting and this one adds {len(choices)}; at most {limit} "
                                 "may wait (scheduler.max_waiting_requests); try again later",
@@ -529,7 +535,8 @@ async def _stream(request: web.Request, run: _Run, firsts: list[RequestOutput], 
     (and, with continuous_usage_stats, each chunk's choice's usage so far in the chunk), then
     `data: [DONE]\\n\\n`. Empty intermediate deltas (text held back by the detokenizer:
     a partial UTF-8 character, a possible stop-string prefix) are not sent."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8",
+                                       "Cache-Control": "no-cache"})
     await resp.prepare(request)
     header = _header(run)
     obj = "chat.completion.chunk" if run.chat else "text_completion"

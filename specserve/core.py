@@ -102,6 +102,7 @@ class Reply(msgspec.Struct, tag=True):
     result: dict | None
     message: str | None
     param: str | None
+    snapshot: dict | None = None   # the engine's state after the call: an idle core sends no Step
 
 
 ToCore = AddRequest | Abort | SetSpeculation | Shutdown
@@ -169,7 +170,8 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, cpus: list[int] 
                     engine.abort_request(request_id)
             elif isinstance(msg, SetSpeculation):
                 try:
-                    reply = Reply(msg.call_id, engine.set_speculation(msg.mode, msg.depth), None, None)
+                    reply = Reply(msg.call_id, engine.set_speculation(msg.mode, msg.depth), None, None,
+                                  engine.snapshot())
                 except InvalidRequestError as e:
                     reply = Reply(msg.call_id, None, str(e), e.param)
                 outbox.send(encode(reply))
@@ -248,6 +250,14 @@ class _Stream:
                              stop_reason=stop_reason)
 
 
+_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "failed", "preemptions", "num_drafts",
+             "num_draft_tokens", "num_accepted_tokens")
+
+
+def _add(a: list, b: list) -> list:
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(max(len(a), len(b)))]
+
+
 class EngineCoreClient:
     """AsyncEngine's interface over an engine-core process (see the module docstring)."""
 
@@ -266,6 +276,8 @@ class EngineCoreClient:
         self._streams: dict[str, _Stream] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._snapshot: dict = {}
+        self._carried: dict = {}   # counters of the cores that died: /metrics' counters never go back
+        self._speculation: tuple[str, int | None] | None = None   # set by an operator: outlives a restart
         self._proc = None
         self._ctx = None
         self._stopping = False
@@ -350,6 +362,10 @@ class EngineCoreClient:
         self._push.close()
         self._pull.close()
         self.restarts += 1
+        for key in _COUNTERS:
+            self._carried[key] = self._carried.get(key, 0) + self._snapshot.get(key, 0)
+        self._carried["accepted_per_position"] = _add(self._carried.get("accepted_per_position", []),
+                                                      self._snapshot.get("accepted_per_position", []))
         delay = 1.0
         while not self._stopping:
             try:
@@ -359,6 +375,8 @@ class EngineCoreClient:
                 logger.error("%s; trying again in %.0f s", e, delay)
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 30.0)
+        if self._speculation is not None and not self._stopping:   # before any request: sockets keep order
+            self._send(SetSpeculation(-1, *self._speculation))
         self.restarting = False
 
     def _dispatch(self, msg) -> None:
@@ -378,6 +396,8 @@ class EngineCoreClient:
                 error = QueueFullError(msg.message) if msg.queue_full else InvalidRequestError(msg.message, msg.param)
                 stream.queue.put_nowait(error)
         elif isinstance(msg, Reply):
+            if msg.snapshot is not None:
+                self._snapshot = msg.snapshot
             future = self._calls.pop(msg.call_id, None)
             if future is not None and not future.done():
                 future.set_result(msg.result if msg.message is None else InvalidRequestError(msg.message, msg.param))
@@ -389,15 +409,29 @@ class EngineCoreClient:
         self._stopping = True
         if self._proc is None:
             return
+        if (watcher := getattr(self, "_watcher", None)) is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
         if self._proc.is_alive():
             self._send(Shutdown())
             await asyncio.to_thread(self._proc.join, 10.0)
             if self._proc.is_alive():
                 self._proc.kill()
+                await asyncio.to_thread(self._proc.join, 5.0)
         self._ctx.destroy(linger=0)
+        if self._proc.exitcode is not None:   # its sentinel pipe now, not when the client is collected
+            self._proc.close()
+            self._proc = None
 
     def snapshot(self) -> dict:
-        return {**self._snapshot, "restarts": self._snapshot.get("restarts", 0) + self.restarts}
+        snap = {**self._snapshot, "restarts": self._snapshot.get("restarts", 0) + self.restarts}
+        for key in _COUNTERS:
+            snap[key] = snap.get(key, 0) + self._carried.get(key, 0)
+        if "accepted_per_position" in self._carried:
+            snap["accepted_per_position"] = _add(snap.get("accepted_per_position", []),
+                                                 self._carried["accepted_per_position"])
+        return snap
 
     def num_waiting(self) -> int:
         return self._snapshot.get("waiting", 0)
@@ -435,6 +469,7 @@ class EngineCoreClient:
         result = await future
         if isinstance(result, BaseException):
             raise result
+        self._speculation = (mode, depth)
         return result
 
     def fail_all(self, error: Exception) -> None:
@@ -585,8 +620,18 @@ class EngineGroup:
         return total
 
     async def set_speculation(self, mode: str, depth: int | None = None) -> dict:
-        results = await asyncio.gather(*(c.set_speculation(mode, depth) for c in self.cores))
-        return results[0]
+        live = [c for c in self.cores if c.is_alive]
+        if not live:
+            raise EngineDeadError("no engine core is running; retry shortly")
+        results = await asyncio.gather(*(c.set_speculation(mode, depth) for c in live), return_exceptions=True)
+        if (refused := next((r for r in results if isinstance(r, InvalidRequestError)), None)) is not None:
+            raise refused   # one config: every core refuses alike
+        for c in self.cores:   # a core restarting now takes it up once it is ready (_restart)
+            c._speculation = (mode, depth)
+        ok = [r for r in results if not isinstance(r, BaseException)]
+        if not ok:   # every live core died meanwhile: they take it up when they restart
+            raise EngineDeadError("no engine core is running; retry shortly")
+        return ok[0]
 
     def fail_all(self, error: Exception) -> None:
         for c in self.cores:

@@ -67,6 +67,17 @@ def test_a_mixed_load_uses_both_cores_and_outputs_equal_offline(group_server, cf
     assert texts == [o.text for o in offline]
 
 
+def test_each_core_has_its_own_waiting_queue(group_server, monkeypatch):
+    """scheduler.max_waiting_requests bounds each core's queue (each core enforces it): with one
+    request waiting on core 0 and none on core 1, a new request is still admitted."""
+    from specserve.server.app import STATE
+
+    g = group(group_server)
+    monkeypatch.setattr(group_server.app[STATE].cfg.scheduler, "max_waiting_requests", 1)
+    monkeypatch.setattr(g.cores[0], "num_waiting", lambda: 1)
+    assert complete(group_server, "Still room on core one", max_tokens=2)
+
+
 def test_metrics_per_core_and_in_total(group_server):
     with urllib.request.urlopen(group_server.base + "/metrics", timeout=10) as r:
         text = r.read().decode()
