@@ -114,9 +114,10 @@ class ProtocolError(Exception):
         self.message, self.param = message, param
 
 
-class StreamOptions(Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False   # vLLM's: with include_usage, usage in every chunk too
+class StreamOptions(Struct, forbid_unknown_fields=True):   # null is "not given", as at the top level
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False   # vLLM's: with include_usage, usage in every chunk too
+    include_obfuscation: bool | None = None   # OpenAI's padding of chunks against side channels: none is sent
 
 
 class _Request(Struct, kw_only=True):
