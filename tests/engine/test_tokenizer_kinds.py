@@ -231,12 +231,12 @@ def test_a_token_id_prompt_that_ends_inside_a_character_loses_no_later_output(to
     max_tokens cut there sends exactly that). The output's first tokens complete the
     character; everything generated after it must still come out.
 
-    Today the prompt context's text ends in U+FFFD, one per byte with HF's ByteFallback: the
+    The trap: the prompt context's text ends in U+FFFD, one per byte with HF's ByteFallback: the
     completed character is shorter than that, so `len(new_text) <= len(prefix_text)` swallows
     the next tokens, and then the delta is cut at the wrong length. With the SentencePiece
-    kinds whole words vanish: a prompt ending `<0xF0> <0x9F> <0x98>` (most of 😀) then the
-    output `<0x80> ▁d` streams nothing at all instead of " d"; `... <0xE2> <0x88>` then
-    `<0x91> <0xE2> <0x88> <0x91> ▁ c ...` loses the second ∑, all of it generated."""
+    kinds whole words would vanish: a prompt ending `<0xF0> <0x9F> <0x98>` (most of 😀) then the
+    output `<0x80> ▁d` would stream nothing at all instead of " d"; `... <0xE2> <0x88>` then
+    `<0x91> <0xE2> <0x88> <0x91> ▁ c ...` would lose the second ∑, all of it generated."""
     tok = tokenizers_by_kind[kind]
     bos = [tok.bos_token_id]
     ids = tok.encode(TEXT, add_special_tokens=False)
@@ -262,8 +262,8 @@ def test_incomplete_bytes_after_a_byte_fallback_character(tokenizers_by_kind, ki
     byte followed by " b". A byte-level tokenizer gives one U+FFFD for them, as UTF-8's
     decoder does; with byte fallback the incomplete bytes join the run of the ∑ before them,
     HF's ByteFallback decoder rewrites that whole run (the ∑ included) as one U+FFFD per byte,
-    and the detokenizer slices that string at the length of "∑": today "a ∑����" for two
-    trailing bytes and "a ∑��� b" for one stray byte. At most one U+FFFD per incomplete byte,
+    and a detokenizer that slices that string at the length of "∑" gives "a ∑����" for
+    two trailing bytes and "a ∑��� b" for one stray byte. At most one U+FFFD per incomplete byte,
     and the text before them stays."""
     tok = tokenizers_by_kind[kind]
     prompt = tok.encode("[INST] hi [/INST]" if kind != "byte_level" else "Q:", add_special_tokens=True)

@@ -120,9 +120,8 @@ CHAT_TOKENS = 11
 
 def test_chat_logprob_bytes_spell_the_content(sp_server):
     """OpenAI's contract for `bytes` (held for the byte-level tokenizer in
-    test_sampling_api.py): the tokens' bytes, joined, are the content's UTF-8. TokenText takes
-    a SentencePiece token's bytes from `decode([token])`, which strips the `▁` of " world" and
-    turns <0xE2> into U+FFFD: today they spell "Helloworld���done." instead of
+    test_sampling_api.py): the tokens' bytes, joined, are the content's UTF-8. Bytes taken
+    from `decode([token])` lose the `▁` of " world" and turn <0xE2> into U+FFFD: they would spell "Helloworld���done." instead of
     " Hello world ∑ done.", and the three byte tokens of ∑ all read "\\ufffd"."""
     reply = sp_server.client().chat.completions.create(model=sp_server.model, messages=USER, temperature=0,
                                                        max_tokens=CHAT_TOKENS, logprobs=True, top_logprobs=2)
@@ -138,8 +137,8 @@ def test_completion_logprob_tokens_and_text_offsets(sp_server):
     from a SentencePiece token, detokenizer_utils._restore_leading_spaces), each at its
     text_offset in the text; byte tokens are written `bytes:\\xe2` (this server's rule for part
     of a character, logprobs.TokenText.text), so the three stay distinct, also as keys of
-    top_logprobs. Today: "wo" at 0, "r" at 2 (where the text has "o"), and "\\ufffd" three
-    times."""
+    top_logprobs (not "wo" at 0, "r" at 2 (where the text has "o"), and "\\ufffd" three
+    times)."""
     prompt = [sp_server.tok.bos_token_id, sp_server.ids[0]]
     status, body = post(sp_server, "/completions", {"prompt": prompt, "max_tokens": 30, "temperature": 0,
                                                     "logprobs": 1})
@@ -155,8 +154,8 @@ def test_completion_logprob_tokens_and_text_offsets(sp_server):
 
 def test_provenance_pieces_spell_the_streamed_text(sp_server):
     """The chat page prints the provenance pieces (static/chat.html: addPiece for each), so
-    they must spell the content the same chunks carry. Today, built from decode([token])'s
-    bytes, they read "Helloworld���done." against " Hello world ∑ done."."""
+    they must spell the content the same chunks carry (built from decode([token])'s bytes,
+    they would read "Helloworld���done." against " Hello world ∑ done.")."""
     status, body = post(sp_server, "/chat/completions", {"messages": USER, "max_tokens": CHAT_TOKENS,
                                                          "temperature": 0, "stream": True, "provenance": True})
     assert status == 200, body
