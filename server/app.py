@@ -84,6 +84,13 @@ class ServerState:
     sampling_defaults: dict = field(default_factory=dict)   # the model's, for fields a request leaves out
 
 
+    def serves(self, name: str) -> bool:
+        """The served name, or, when none is configured, the target's path as the user gave it
+        (vLLM's name for a model: `vllm bench serve --model DIR` sends it)."""
+        return name == self.model_name or (self.cfg.server.served_model_name is None and
+                                           os.path.abspath(os.path.expanduser(name)) == self.cfg.target.path)
+
+
 STATE = web.AppKey("specserve_state", ServerState)
 
 
@@ -168,7 +175,7 @@ async def _parse(state: ServerState, raw: bytes, chat: bool) -> tuple[list[Choic
         req = protocol.parse(raw, chat)
     except protocol.ProtocolError as e:
         raise ApiError(400, e.message, e.param) from None
-    if req.model is not None and req.model != state.model_name:
+    if req.model is not None and not state.serves(req.model):
         raise ApiError(404, f"the model '{req.model}' does not exist; this server serves '{state.model_name}'",
                        "model", code="model_not_found")
     tokenizer = state.async_engine.tokenizer
@@ -615,7 +622,7 @@ async def handle_models(request: web.Request) -> web.Response:
 async def handle_model(request: web.Request) -> web.Response:
     """GET /v1/models/{model}: the served model, or a 404 naming the one asked for."""
     state, name = request.app[STATE], request.match_info["model"]
-    if name != state.model_name:
+    if not state.serves(name):
         raise ApiError(404, f"the model '{name}' does not exist; this server serves '{state.model_name}'", "model",
                        code="model_not_found")
     return web.Response(body=_json.encode(_model(state)), content_type="application/json")

@@ -43,6 +43,18 @@ def test_a_model_is_retrieved_by_name(server, server_target):
     assert "'org/other-model' does not exist" in str(e.value) and e.value.body["code"] == "model_not_found"
 
 
+def test_the_targets_path_names_the_model_too(server, server_target, monkeypatch):
+    """vLLM names a model by the path it was started with, and its benchmark client sends that:
+    the target's path (absolute, or relative to the working directory) is the model too."""
+    client = server.client()
+    assert client.models.retrieve(str(server_target)).id == server_target.name
+    monkeypatch.chdir(server_target.parent)
+    out = client.completions.create(model=server_target.name + "/", prompt="Hi", max_tokens=2)
+    assert out.model == server_target.name
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model=str(server_target.parent), prompt="Hi", max_tokens=2)
+
+
 def test_an_echo_alone_has_logprobs_only_when_asked(server, server_target):
     client = server.client()
     for stream in (False, True):
