@@ -175,11 +175,11 @@ class EngineReplica:
         logger.info("replica %s serves on port %d", self.name, self.port)
 
     async def __call__(self, path: str, body: bytes, method: str = "POST"):
-        """Yields (status, content type, replica) first, then the response body as written."""
+        """Yields (status, headers, replica) first, then the response body as written."""
         url = f"http://127.0.0.1:{self.port}{path}"
         async with self.http.request(method, url, data=body or None,
                                         headers={"Content-Type": "application/json"}) as resp:
-            yield resp.status, resp.headers.get("Content-Type", "application/json"), self.name
+            yield resp.status, {k: v for k in _FORWARDED if (v := resp.headers.get(k)) is not None}, self.name
             async for chunk in resp.content.iter_any():
                 yield chunk
 
@@ -187,6 +187,10 @@ class EngineReplica:
         async with self.http.get(f"http://127.0.0.1:{self.port}/health") as resp:
             if resp.status != 200:
                 raise RuntimeError(f"replica unhealthy: /health {resp.status}")
+
+
+# The replica's response headers a client reads (the rest are the connection's own).
+_FORWARDED = ("Content-Type", "Cache-Control", "Retry-After", "WWW-Authenticate", "Allow")
 
 
 def _error(message: str, code: str, type: str = "service_unavailable") -> dict:
@@ -222,7 +226,7 @@ class Ingress:
         stream = self.engine.options(stream=True).remote(path, body, request.method)
         self.streams.add(stream)
         try:
-            status, content_type, replica = await stream.__anext__()
+            status, headers, replica = await stream.__anext__()
         except Exception as e:   # the replica died before answering
             self.streams.discard(stream)
             return JSONResponse(_error(f"the replica serving this request failed: {e}; retry", "replica_unavailable"),
@@ -240,8 +244,7 @@ class Ingress:
             finally:
                 self.streams.discard(stream)
 
-        return StreamingResponse(chunks(), status_code=status, media_type=content_type,
-                                 headers={"x-specserve-replica": str(replica)})
+        return StreamingResponse(chunks(), status_code=status, headers={**headers, "x-specserve-replica": str(replica)})
 
     async def drain(self, timeout_s: float) -> int:
         """Answer new requests 503 and wait up to `timeout_s` for the responses being sent; those

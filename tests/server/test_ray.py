@@ -90,6 +90,7 @@ def test_two_replicas_serve_32_concurrent_streams_correctly(ray_base, cfg):
 
 
 def test_the_sse_bytes_are_specservers_own(ray_base, cfg):
+    """The stream's bytes and the headers a client reads (content type, no caching)."""
     srv = ServerThread(LLMEngine(cfg, progress=False), cfg)
     try:
         body = json.dumps({"prompt": PROMPTS[3], "max_tokens": 12, "temperature": 0, "stream": True,
@@ -99,7 +100,8 @@ def test_the_sse_bytes_are_specservers_own(ray_base, cfg):
             req = urllib.request.Request(base + "/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=120) as r:
-                return re.sub(rb'"id":"[^"]*","created":\d+,"model":"[^"]*"', b"ID", r.read())
+                headers = {k: r.headers[k] for k in ("Content-Type", "Cache-Control")}
+                return headers, re.sub(rb'"id":"[^"]*","created":\d+,"model":"[^"]*"', b"ID", r.read())
 
         assert raw(ray_base) == raw(srv.base)
     finally:
@@ -176,7 +178,7 @@ def test_the_ingress_asks_for_the_api_key_before_a_replica_sees_the_request():
             reached.append(path)
 
             async def answer():
-                yield 200, "application/json", "r0"
+                yield 200, {"Content-Type": "application/json"}, "r0"
                 yield b"{}"
             return answer()
 
