@@ -137,7 +137,7 @@ def fuzz_server(server_target, server_draft):
     srv.stop()
 
 
-FUZZ_EXAMPLES = int(os.environ.get("SPECSERVE_FUZZ_EXAMPLES", "2000"))
+FUZZ_EXAMPLES = int(os.environ.get("SPECSERVE_FUZZ_EXAMPLES", "1000"))
 
 
 @settings(max_examples=FUZZ_EXAMPLES, derandomize=True, deadline=None, database=None,

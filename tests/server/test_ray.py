@@ -238,7 +238,7 @@ def replica_count(app: str) -> int:
 
 def test_replicas_scale_up_with_requests_in_flight(ray_base, cfg):
     """An application of one replica that may grow to two, at two requests in flight per
-    replica: twelve clients streaming back to back make Ray Serve start the second, which then
+    replica: six clients streaming back to back make Ray Serve start the second, which then
     serves."""
     from ray import serve
 
@@ -253,9 +253,9 @@ def test_replicas_scale_up_with_requests_in_flight(ray_base, cfg):
 
     def client(i: int) -> None:
         while not stop.is_set():
-            stream(base, PROMPTS[i], max_tokens=200, ignore_eos=True)
+            stream(base, PROMPTS[i], max_tokens=100, ignore_eos=True)
 
-    clients = [threading.Thread(target=client, args=(i,)) for i in range(12)]
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(6)]
     try:
         assert replica_count("scaled") == 1
         for t in clients:
