@@ -872,11 +872,11 @@ async def _serve(engine: LLMEngine, cfg: EngineConfig, sock: socket.socket) -> N
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    logger.info("shutting down: refusing new requests, finishing %d in flight (at most %.0f s)",
+    logger.info("shutting down: refusing new requests, finishing %d in flight (at most %g s)",
                 app[STATE].num_inflight, cfg.server.shutdown_timeout_s)
     left = await drain(app, cfg.server.shutdown_timeout_s)
     if left:
-        logger.warning("aborting %d requests still running after %.0f s", left, cfg.server.shutdown_timeout_s)
+        logger.warning("aborting %d requests still running after %g s", left, cfg.server.shutdown_timeout_s)
     await runner.cleanup()  # cancels what is left (aborting its requests), then stops the engine
     logger.info("stopped")
 
