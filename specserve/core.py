@@ -527,7 +527,7 @@ class EngineGroup:
             self.cores.append(EngineCoreClient(cfg, tokenizer=self.tokenizer, **placement))
         self.inflight = [0] * num_engines
         self.routed = [0] * num_engines
-        self._owner: OrderedDict[int, int] = OrderedDict()   # prefix hash (whole blocks) -> core
+        self._owner: OrderedDict[int, tuple[int, int]] = OrderedDict()   # prefix hash -> (core, its restarts)
         self._core_of: dict[str, int] = {}                   # request id -> core
 
     @property
@@ -563,17 +563,18 @@ class EngineGroup:
         alive = [i for i, c in enumerate(self.cores) if c.is_alive]
         if not alive:
             return 0
-        least = min(alive, key=lambda i: self.inflight[i])
+        # Ties go to the core given fewer requests so far: a sequential load uses every core.
+        least = min(alive, key=lambda i: (self.inflight[i], self.routed[i]))
         hashes = self._prefix_hashes(prompt)
         chosen = least
-        for h in reversed(hashes):   # the longest prefix some core served
-            owner = self._owner.get(h)
-            if owner is not None:
+        for h in reversed(hashes):   # the longest prefix some core served (and holds: not restarted since)
+            owner, restarts = self._owner.get(h, (None, 0))
+            if owner is not None and restarts == self.cores[owner].restarts:
                 if owner in alive and self.inflight[owner] <= self.inflight[least] + self._AFFINITY_SLACK:
                     chosen = owner
                 break
         for h in hashes:
-            self._owner[h] = chosen
+            self._owner[h] = (chosen, self.cores[chosen].restarts)
             self._owner.move_to_end(h)
         while len(self._owner) > self._REMEMBERED_BLOCKS:
             self._owner.popitem(last=False)

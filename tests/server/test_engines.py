@@ -105,3 +105,35 @@ def test_engines_that_share_a_gpu_split_its_memory(cfg, monkeypatch, caplog):
     assert [p["env"]["CUDA_VISIBLE_DEVICES"] for _, p in made] == ["0", "1", "0"]
     assert {c.cache.memory_fraction for c, _ in made} == {cfg.cache.memory_fraction / 2}
     assert "3 engines on 2 GPUs: up to 2 share a GPU" in caplog.text
+
+
+def test_routing_spreads_ties_and_forgets_a_restarted_cores_prefixes(cfg, monkeypatch):
+    """EngineGroup.route on stand-in cores: with nothing in flight, requests in turn go to the
+    core given fewer so far; a prompt whose prefix a core served goes back to it, until that
+    core restarts (its cache is empty then)."""
+    from types import SimpleNamespace
+
+    from specserve import core
+
+    monkeypatch.setattr(core, "EngineCoreClient",
+                        lambda c, tokenizer=None, **placement: SimpleNamespace(is_alive=True, restarts=0))
+    g = EngineGroup(cfg, 2)
+
+    def send(prompt):
+        i = g.route(prompt)
+        g.routed[i] += 1
+        return i
+
+    assert [send([k]) for k in range(4)] == [0, 1, 0, 1]
+    prefix = list(range(40, 40 + 4 * cfg.cache.block_size))
+    owner = send(prefix + [1])
+    assert [send(prefix + [k]) for k in range(2, 5)] == [owner] * 3
+    g.routed[owner] = 0   # the owner is also the least loaded: only ownership decides below
+    g.routed[1 - owner] = 1
+    g.cores[1 - owner].restarts += 1   # a restart of the other core changes nothing
+    assert send(prefix + [5]) == owner
+    g.routed[owner] = 10
+    assert send(prefix + [6]) == owner   # the owner, though the other was given fewer
+    g.cores[owner].restarts += 1
+    assert send(prefix + [7]) == 1 - owner   # forgotten: the least loaded, which owns it from now
+    assert send(prefix + [8]) == 1 - owner
