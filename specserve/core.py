@@ -24,6 +24,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 
@@ -55,8 +56,8 @@ class Abort(msgspec.Struct, tag=True):
 
 class SetSpeculation(msgspec.Struct, tag=True):
     call_id: int
-    mode: str
-    depth: int | None = None
+    mode: Any                  # as the caller sent them: the engine validates (a 400 naming the field)
+    depth: Any = None
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -158,7 +159,11 @@ def run_core(config: EngineConfig, in_addr: str, out_addr: str, cpus: list[int] 
         timeout = 0 if busy else int(_SNAPSHOT_S * 1000)
         while inbox.poll(timeout):
             timeout = 0
-            msg = decode(inbox.recv())
+            try:
+                msg = decode(inbox.recv())
+            except msgspec.DecodeError:   # a message of the wrong shape costs only itself
+                logger.exception("the engine core dropped a message it could not read")
+                continue
             if isinstance(msg, AddRequest):
                 try:
                     engine.add_request(msg.request_id, msg.prompt_ids, msg.params)
@@ -464,8 +469,14 @@ class EngineCoreClient:
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running: {self.error!r}")
         call_id = len(self._calls) + int(time.monotonic_ns())
+        try:
+            data = self._encode(SetSpeculation(call_id, mode, depth))
+        except (OverflowError, TypeError):   # msgpack carries no int past 64 bits: no setting is one
+            raise InvalidRequestError(f"mode 'static' needs an integer 'depth', got {depth!r}" if isinstance(mode, str)
+                                      else f"unknown speculation mode {mode!r}: 'adaptive' or 'static'",
+                                      param="depth" if isinstance(mode, str) else "mode") from None
         future = self._calls[call_id] = asyncio.get_running_loop().create_future()
-        self._send(SetSpeculation(call_id, mode, depth))
+        self._push.send(data)
         result = await future
         if isinstance(result, BaseException):
             raise result
