@@ -180,10 +180,15 @@ class CapacityCurve:
                     if wk > 0.0:
                         shape[k] *= ratio ** (cfg.shape_alpha * wb * wk)
                 _monotone(shape)
-        if levels > 0:
+        if levels > 0 and 0.0 <= draft_s < math.inf:
             for b, wb in corners:
-                self.draft[b] += cfg.cost_alpha * wb * (draft_s / levels - self.draft[b])
-        if rest_s is not None:
+                # One step counts for at most _OUTLIER times the estimate: a GC pause must not make
+                # levels look so dear that plain decoding, which measures none, never ends.
+                per_level = draft_s / levels
+                if self.draft[b] > 0.0:
+                    per_level = min(per_level, _OUTLIER * self.draft[b])
+                self.draft[b] += cfg.cost_alpha * wb * (per_level - self.draft[b])
+        if rest_s is not None and math.isfinite(rest_s):
             for b, wb in corners:
                 self.num_rest[b] += 1
                 self.rest[b] += max(cfg.cost_alpha, 1.0 / self.num_rest[b]) * wb * (rest_s - self.rest[b])
@@ -193,6 +198,9 @@ class CapacityCurve:
                 "verify_s": [[lv * s for s in row] for lv, row in zip(self.level, self.shape)],
                 "level_s": self.draft, "rest_s": self.rest, "context": self.context,
                 "context_s": [[lv * s for s in x] for lv, x in zip(self.level, self.context_s)]}
+
+
+_OUTLIER = 4.0   # a step's draft level counts for at most this many times the estimate
 
 
 def _monotone(xs: list[float]) -> list[float]:

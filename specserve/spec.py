@@ -128,7 +128,8 @@ class Speculator:
         if mode == "adaptive":
             if depth is not None:
                 raise InvalidRequestError("'depth' is only for mode 'static'", param="depth")
-            self.controller, self._detached = self._detached or self.make_controller(), None
+            self.controller = self.controller or self._detached or self.make_controller()
+            self._detached = None
         elif mode == "static":
             limit = self.max_depth()
             if not isinstance(depth, int) or isinstance(depth, bool) or not 0 <= depth <= limit:
@@ -181,11 +182,12 @@ class Speculator:
         spec_seqs = [s for s in batch.seqs if s.num_spec_nodes]
         prefills = [s for s in batch.seqs if s.is_prefill]
         trees: dict[str, DraftTree] = {}
-        backlog = 0
+        backlog = levels = 0   # levels: draft forwards that grew trees this step (none unless propose ran)
         if self.drafter is not None and (spec_seqs or (prefills and self.drafter.has_kv)):
             backlog = max((s.request.num_tokens - s.request.num_draft_computed_tokens for s in spec_seqs), default=0)
             proposed = self.drafter.propose(spec_seqs, self.shape(plan), prefills)
             trees = {s.request.request_id: t for s, t in zip(spec_seqs, proposed) if t.num_nodes}
+            levels = self.drafter.levels_run
         t1 = time.perf_counter()
 
         # The verify input: each sequence's new tokens (a prompt chunk, or the pending token),
@@ -223,7 +225,8 @@ class Speculator:
             self._prompt_logprobs(logits, scored)
         new_tokens = self._accept(logits, verified) if verified else {}
         t2 = time.perf_counter()
-        self._observed = (batch, verified, new_tokens, t1 - t0, t2 - t1, backlog <= plan.depth + 1, context)
+        self._observed = (batch, verified, new_tokens, t1 - t0, t2 - t1, backlog <= plan.depth + 1, context,
+                          levels)
         return new_tokens
 
     def _accept(self, logits: torch.Tensor, verified: list[_Verified]) -> dict[str, list[int]]:
@@ -442,13 +445,12 @@ class Speculator:
         self._finished.clear()
 
     def _learn(self, controller: AdaptiveController, observed: tuple, step_s: float) -> None:
-        batch, verified, new_tokens, draft_s, verify_s, typical, context = observed
+        batch, verified, new_tokens, draft_s, verify_s, typical, context, levels = observed
         decoding = [v for v in verified if v.seq.num_new_tokens == 1]
         chains = [(v.seq.request.request_id, not v.seq.request.params.is_greedy,
                    v.tree.num_nodes if self.tree_kind == "chain" else v.tree.max_depth,
                    len(new_tokens[v.seq.request.request_id]) - 1, v.tree.path_probs)
                   for v in verified if v.tree.num_nodes and v.seq.request.request_id in new_tokens]
-        levels = self.drafter.levels_run
         timed = len(decoding) == len(batch.seqs) and typical
         controller.observe(len(decoding), sum(1 + v.tree.num_nodes for v in decoding), levels, draft_s,
                            verify_s, step_s - draft_s - verify_s, chains, timed=timed, context=context)
