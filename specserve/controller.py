@@ -171,6 +171,7 @@ class CapacityCurve:
         corners = self._corners(batch_size)
         ratio = verify_s / max(self.verify_s(batch_size, rows, context), 1e-12)
         if 0.0 < ratio < math.inf:
+            ratio = min(max(ratio, 1.0 / _OUTLIER), _OUTLIER)   # a GC pause moves the curve as a 4x step would
             r = min(rows / batch_size, self.max_rows)
             j, wr = _interp(range(1, self.max_rows + 1), r)
             for b, wb in corners:
@@ -200,7 +201,7 @@ class CapacityCurve:
                 "context_s": [[lv * s for s in x] for lv, x in zip(self.level, self.context_s)]}
 
 
-_OUTLIER = 4.0   # a step's draft level counts for at most this many times the estimate
+_OUTLIER = 4.0   # a step counts for at most this many times (or this fraction of) the estimate
 
 
 def _monotone(xs: list[float]) -> list[float]:

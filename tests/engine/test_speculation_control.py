@@ -63,7 +63,7 @@ def _curve() -> CapacityCurve:
                          [0.001] * len(BUCKETS), [0.0005] * len(BUCKETS))
 
 
-@pytest.mark.parametrize("part, seconds", [("draft", 1.0), ("draft", math.inf), ("rest", math.nan)])
+@pytest.mark.parametrize("part, seconds", [("draft", 1.0), ("draft", math.inf), ("rest", math.nan), ("verify", 1.0)])
 def test_one_outlier_step_does_not_switch_speculation_off_for_good(part, seconds):
     """A closed loop of one request whose draft is accepted 90% of the time, on a machine whose
     costs never change, except that ONE step's draft phase takes a second (a GC pause; or a
@@ -80,13 +80,15 @@ def test_one_outlier_step_does_not_switch_speculation_off_for_good(part, seconds
         accepted = 0
         while accepted < n and rng.random() < 0.9:
             accepted += 1
-        draft_s, rest_s = plan.depth * true.level_s(1), true.rest_s(1)
+        draft_s, verify_s, rest_s = plan.depth * true.level_s(1), true.verify_s(1, 1 + n), true.rest_s(1)
         if step == 100:
             if part == "draft":
                 draft_s = seconds
+            elif part == "verify":
+                verify_s = seconds
             else:
                 rest_s = seconds
-        ctl.observe(1, 1 + n, plan.depth, draft_s, true.verify_s(1, 1 + n), rest_s,
+        ctl.observe(1, 1 + n, plan.depth, draft_s, verify_s, rest_s,
                     [("a", False, n, accepted, [])] if n else [])
         depths.append(plan.depth)
     assert min(depths[50:100]) > 0, "speculation did not pay before the outlier"
@@ -94,6 +96,19 @@ def test_one_outlier_step_does_not_switch_speculation_off_for_good(part, seconds
     assert speculating > 50, (f"after one outlier step at 100 ({part} = {seconds} s) only {speculating} of the "
                               f"last 100 steps speculate; draft level now {ctl.curve.level_s(1)!r} s, rest "
                               f"{ctl.curve.rest_s(1)!r} s; depths around it {depths[98:106]}")
+
+
+def test_one_slow_verify_pass_moves_the_curve_as_a_4x_one_would():
+    """A verify pass 1000 times its estimate (a GC pause) moves the curve no further than one
+    4 times its estimate: the cell it lands in is avoided afterwards, so it would stay wrong."""
+    cfg = ControllerConfig()
+    moved = []
+    for factor in (4.0, 1000.0):
+        curve = _curve()
+        before = curve.verify_row(1)
+        curve.observe(1, 7, factor * curve.verify_s(1, 7), 0, 0.0, None, cfg)
+        moved.append([a / b for a, b in zip(curve.verify_row(1), before)])
+    assert moved[0] == moved[1] and max(moved[0]) > 1.0
 
 
 @pytest.mark.parametrize("path_probs", [False, True])
