@@ -224,8 +224,10 @@ class LLMEngine:
                 logger.info("%s: now on its compiled forward (%s)", name, package)
                 taken = True
         self._building = waiting
-        if taken and self.spec.controller is not None:
-            self.spec.controller = self.spec.make_controller()
+        if taken:   # a controller kept for a later switch to adaptive probes afresh then
+            self.spec._detached = None
+            if self.spec.controller is not None:
+                self.spec.controller = self.spec.make_controller()
 
     def _packed_is_faster(self, runner: ModelRunner) -> bool:
         """[cpu] linear = "auto": whether the model's oneDNN-packed forward beats F.linear on this
