@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import urllib.error
-import urllib.request
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from specserve.engine import LLMEngine
 from tests.checkpoints import make_checkpoint
 from tests.engine.test_tokenizer_kinds import write_tokenizer
 from tests.server.conftest import ServerThread, engine_config
+from tests.server.test_sampling_api import post as post_json
 
 SCRIPT = "Hello world ∑ done."
 REPLY = " world ∑ done."   # after a prompt that ends with "▁Hello": its space is a real space
@@ -64,13 +64,7 @@ def sp_server(tmp_path_factory):
 
 
 def post(srv, path: str, body: dict) -> tuple[int, str]:
-    req = urllib.request.Request(srv.url + path, data=json.dumps({"model": srv.model, **body}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+    return post_json(srv, path, {"model": srv.model, **body})
 
 
 def events(text: str) -> list[dict]:
