@@ -12,7 +12,6 @@ token that comes first) and a character outside its vocabulary as byte tokens `<
 from __future__ import annotations
 
 import json
-import urllib.error
 
 import pytest
 import torch
