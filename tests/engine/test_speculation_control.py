@@ -278,45 +278,15 @@ def _http(base: str, path: str, body=None, timeout: float = 60.0) -> tuple[int, 
         return e.code, json.loads(e.read())
 
 
-class _Stream(threading.Thread):
-    """A streaming completion of a token-id prompt: its text, finish reason or error; `on_chunk`
-    runs after each chunk; `close_after` chunks: the client goes away (the request is aborted)."""
-
-    def __init__(self, base: str, prompt: list[int], max_tokens: int, on_chunk=None, close_after: int | None = None):
-        super().__init__(daemon=True)
-        self.base, self.on_chunk, self.close_after = base, on_chunk, close_after
-        self.body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                     "stream": True}
-        self.text, self.finish, self.error, self.chunks = "", None, None, 0
-        self.start()
-
-    def run(self):
-        req = urllib.request.Request(self.base + "/v1/completions", data=json.dumps(self.body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                for line in r:
-                    line = line.decode().strip()
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        self.error = chunk["error"]["message"]
-                        continue
-                    self.text += chunk["choices"][0]["text"]
-                    self.finish = chunk["choices"][0]["finish_reason"] or self.finish
-                    self.chunks += 1
-                    if self.on_chunk is not None:
-                        self.on_chunk()
-                    if self.close_after is not None and self.chunks >= self.close_after:
-                        return
-        except BaseException as e:   # reported by the test
-            self.error = repr(e)
-
-
 HTTP_PROMPTS = [[10, 11, 12, 13, 10, 11, 12, 13, 10, 11], [5, 6, 7], [30, 31, 30, 31, 30], [200 + i for i in range(20)],
                 [7] * 9, [120, 121, 122, 120, 121]]
 HTTP_TOKENS = 48
+
+
+def stream_ids(base: str, prompt: list[int], **kw):
+    from tests.server.conftest import SseStream
+
+    return SseStream(base, {"prompt": prompt, "max_tokens": HTTP_TOKENS, "temperature": 0, "ignore_eos": True}, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -365,14 +335,14 @@ def test_a_setting_of_the_wrong_type_is_a_400_and_the_core_serves_on(live_core, 
     waiting."""
     base, backend = live_core.base, _backend(live_core)
     restarts = backend.restarts
-    stream = _Stream(base, HTTP_PROMPTS[0], HTTP_TOKENS)
+    stream = stream_ids(base, HTTP_PROMPTS[0])
     answers = [(body, _http(base, "/admin/speculation", body)) for body, _ in BAD_SETTINGS]
     stream.join(120)
     wrong = [(body, status, reply) for (body, (status, reply)), (_, param) in zip(answers, BAD_SETTINGS)
              if status != 400 or reply["error"]["param"] != param]
     assert not wrong, wrong
     assert backend.restarts == restarts, "a bad setting killed the engine core"
-    assert stream.error is None and stream.finish == "length" and stream.text == http_refs[0]
+    assert stream.outcome() == "length" and stream.text == http_refs[0]
     assert not backend._calls
     assert _http(base, "/admin/speculation") == (200, {"mode": "adaptive"})
 
@@ -395,14 +365,14 @@ def test_switches_under_concurrent_streams_keep_them_exact_and_free_every_block(
             body = settings[len(answers) % len(settings)]
             answers.append((body, _http(base, "/admin/speculation", body)))
 
-    streams = [_Stream(base, p, HTTP_TOKENS, on_chunk=switch) for p in HTTP_PROMPTS]
-    streams += [_Stream(base, p, HTTP_TOKENS, close_after=1) for p in HTTP_PROMPTS[:2]]
+    streams = [stream_ids(base, p, on_chunk=switch) for p in HTTP_PROMPTS]
+    streams += [stream_ids(base, p, close_after=1) for p in HTTP_PROMPTS[:2]]
     for s in streams:
         s.join(120)
     assert len(answers) >= len(settings) and all(status == 200 and reply == body for body, (status, reply) in answers), \
         [a for a in answers if a[1][0] != 200][:3]
     for i, s in enumerate(streams[:len(HTTP_PROMPTS)]):
-        assert s.error is None and s.finish == "length", (i, s.error)
+        assert s.outcome() == "length", i
         assert s.text == http_refs[i], i
     assert backend.restarts == restarts
     assert wait_until(lambda: backend.snapshot().get("num_drafts", 0) > 0, timeout=5), "nothing was drafted"

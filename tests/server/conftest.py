@@ -4,12 +4,14 @@ with the official synchronous `openai` client (or raw aiohttp) from the test thr
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import shutil
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -61,6 +63,64 @@ class ServerThread:
         self.call(self.runner.cleanup())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
+
+
+class SseStream(threading.Thread):
+    """A streaming completion (POST /v1/completions with `body`) on a thread of its own: `first`
+    is set at its first event; `events` holds every data line; `error` the exception the client
+    raised. `on_chunk` runs after each chunk; after `close_after` chunks the client goes away
+    (the request is aborted)."""
+
+    def __init__(self, base: str, body: dict, on_chunk=None, close_after: int | None = None):
+        super().__init__(daemon=True)
+        self.base, self.body = base, {**body, "stream": True}
+        self.on_chunk, self.close_after = on_chunk, close_after
+        self.first = threading.Event()
+        self.id: str | None = None
+        self.events: list[str] = []
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self):
+        req = urllib.request.Request(self.base + "/v1/completions", data=json.dumps(self.body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                for line in r:
+                    line = line.decode().strip()
+                    if not line.startswith("data: "):
+                        continue
+                    self.events.append(line[6:])
+                    if not self.first.is_set():
+                        self.id = json.loads(line[6:]).get("id")
+                        self.first.set()
+                    if self.on_chunk is not None:
+                        self.on_chunk()
+                    if self.close_after is not None and len(self.events) >= self.close_after:
+                        return
+        except BaseException as e:   # reported by the test
+            self.error = e
+        finally:
+            self.first.set()
+
+    def chunks(self) -> list[dict]:
+        return [json.loads(e) for e in self.events if e != "[DONE]"]
+
+    @property
+    def text(self) -> str:
+        return "".join(c["choices"][0]["text"] for c in self.chunks() if c.get("choices"))
+
+    def outcome(self) -> str:
+        """"error: <message>" (one error event, then [DONE]) or the last chunk's finish_reason;
+        AssertionError for anything else."""
+        assert self.error is None, self.error
+        assert self.events and self.events[-1] == "[DONE]", self.events[-3:]
+        chunks = self.chunks()
+        errors = [c for c in chunks if "error" in c]
+        if errors:
+            assert len(errors) == 1 and chunks[-1] is errors[0], self.events[-4:]
+            return "error: " + errors[0]["error"]["message"]
+        return chunks[-1]["choices"][0]["finish_reason"]
 
 
 def engine_config(target: Path, draft: Path | str | None = None, **overrides):

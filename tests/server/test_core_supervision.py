@@ -24,7 +24,7 @@ import urllib.request
 import pytest
 
 from specserve.core import EngineCoreClient, EngineGroup
-from tests.server.conftest import ServerThread, engine_config, wait_until
+from tests.server.conftest import ServerThread, SseStream, engine_config, wait_until
 
 LONG = 480   # tokens a long stream asks for (the checkpoint's context is 512)
 
@@ -53,49 +53,6 @@ def http(srv_base: str, path: str, body: dict | None = None, timeout: float = 60
 
 def health(base: str) -> int:
     return http(base, "/health", timeout=10)[0]
-
-
-class Stream(threading.Thread):
-    """A streaming completion on a thread of its own: `first` is set at its first event;
-    `events` holds every data line once it ended (or the exception it raised)."""
-
-    def __init__(self, base: str, body: dict):
-        super().__init__(daemon=True)
-        self.base, self.body = base, {**body, "stream": True}
-        self.first = threading.Event()
-        self.id: str | None = None
-        self.events: list[str] = []
-        self.error: BaseException | None = None
-        self.start()
-
-    def run(self):
-        req = urllib.request.Request(self.base + "/v1/completions", data=json.dumps(self.body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=90) as r:
-                for line in r:
-                    line = line.decode().strip()
-                    if line.startswith("data: "):
-                        self.events.append(line[6:])
-                        if not self.first.is_set():
-                            self.id = json.loads(line[6:]).get("id")
-                            self.first.set()
-        except BaseException as e:   # reported by the test
-            self.error = e
-        finally:
-            self.first.set()
-
-    def outcome(self) -> str:
-        """"error: <message>" (one error event, then [DONE]) or the last chunk's finish_reason;
-        AssertionError for anything else."""
-        assert self.error is None, self.error
-        assert self.events and self.events[-1] == "[DONE]", self.events[-3:]
-        chunks = [json.loads(e) for e in self.events[:-1]]
-        errors = [c for c in chunks if "error" in c]
-        if errors:
-            assert len(errors) == 1 and chunks[-1] is errors[0], self.events[-4:]
-            return "error: " + errors[0]["error"]["message"]
-        return chunks[-1]["choices"][0]["finish_reason"]
 
 
 class Call(threading.Thread):
@@ -196,7 +153,7 @@ def killed(core_server):
     seen["text_before"] = body["choices"][0]["text"]
     seen["fds_before"], seen["threads_before"] = num_fds(), threading.active_count()   # no request open
     long = {"prompt": "The cat sat", "n": 2, "max_tokens": LONG, "ignore_eos": True, "temperature": 0.8}
-    s = Stream(base, long)
+    s = SseStream(base, long)
     assert s.first.wait(30) and s.error is None, s.error
     # the counters as of a step of that stream: more than one greedy request's
     assert wait_until(lambda: core.snapshot()["running"] == 2, timeout=10), core.snapshot()
@@ -298,7 +255,7 @@ def group_killed(cfg):
         streams = []
         # Prompts under a block (no prefix to follow): least load decides, 0, 1, 0, 1.
         for prompt in ("Hi", "Yo", "Go", "So"):
-            streams.append(Stream(srv.base, {"prompt": prompt, "max_tokens": LONG, "ignore_eos": True,
+            streams.append(SseStream(srv.base, {"prompt": prompt, "max_tokens": LONG, "ignore_eos": True,
                                              "temperature": 0.8}))
             assert streams[-1].first.wait(30) and streams[-1].error is None, streams[-1].error
         on = [g._core_of.get(f"{s.id}-0") for s in streams]
@@ -321,7 +278,7 @@ def group_killed(cfg):
         pids.append(g.cores[0].pid)
         # one request on each core: both snapshots come from a step after everything above
         assert wait_until(lambda: g.inflight == [0, 0], timeout=10)
-        both = [Stream(srv.base, {"prompt": p, "max_tokens": 40, "ignore_eos": True}) for p in ("Hm", "Ok")]
+        both = [SseStream(srv.base, {"prompt": p, "max_tokens": 40, "ignore_eos": True}) for p in ("Hm", "Ok")]
         for s in both:
             s.join(60)
         assert wait_until(lambda: all(c.snapshot()["running"] == 0 for c in g.cores), timeout=10)
