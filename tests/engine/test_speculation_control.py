@@ -12,12 +12,9 @@ step (a GC pause) does not switch speculation off for good."""
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import threading
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
@@ -26,6 +23,7 @@ from specserve import LLM, SamplingParams
 from specserve.controller import AdaptiveController, CapacityCurve, ControllerConfig, Plan
 from specserve.errors import InvalidRequestError
 from tests.checkpoints import make_checkpoint, make_noisy_copy
+from tests.server.conftest import http
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/engine/conftest.py
 
@@ -268,16 +266,6 @@ def test_a_switch_before_every_step_keeps_output_exact_and_leaves_no_state(model
 # -- over HTTP, with the engine-core process ---------------------------------------------------------
 
 
-def _http(base: str, path: str, body=None, timeout: float = 60.0) -> tuple[int, dict]:
-    req = urllib.request.Request(base + path, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 HTTP_PROMPTS = [[10, 11, 12, 13, 10, 11, 12, 13, 10, 11], [5, 6, 7], [30, 31, 30, 31, 30], [200 + i for i in range(20)],
                 [7] * 9, [120, 121, 122, 120, 121]]
 HTTP_TOKENS = 48
@@ -336,7 +324,7 @@ def test_a_setting_of_the_wrong_type_is_a_400_and_the_core_serves_on(live_core, 
     base, backend = live_core.base, _backend(live_core)
     restarts = backend.restarts
     stream = stream_ids(base, HTTP_PROMPTS[0])
-    answers = [(body, _http(base, "/admin/speculation", body)) for body, _ in BAD_SETTINGS]
+    answers = [(body, http(base, "/admin/speculation", body)) for body, _ in BAD_SETTINGS]
     stream.join(120)
     wrong = [(body, status, reply) for (body, (status, reply)), (_, param) in zip(answers, BAD_SETTINGS)
              if status != 400 or reply["error"]["param"] != param]
@@ -344,7 +332,7 @@ def test_a_setting_of_the_wrong_type_is_a_400_and_the_core_serves_on(live_core, 
     assert backend.restarts == restarts, "a bad setting killed the engine core"
     assert stream.outcome() == "length" and stream.text == http_refs[0]
     assert not backend._calls
-    assert _http(base, "/admin/speculation") == (200, {"mode": "adaptive"})
+    assert http(base, "/admin/speculation") == (200, {"mode": "adaptive"})
 
 
 def test_switches_under_concurrent_streams_keep_them_exact_and_free_every_block(live_core, http_refs):
@@ -363,7 +351,7 @@ def test_switches_under_concurrent_streams_keep_them_exact_and_free_every_block(
     def switch():
         with lock:
             body = settings[len(answers) % len(settings)]
-            answers.append((body, _http(base, "/admin/speculation", body)))
+            answers.append((body, http(base, "/admin/speculation", body)))
 
     streams = [stream_ids(base, p, on_chunk=switch) for p in HTTP_PROMPTS]
     streams += [stream_ids(base, p, close_after=1) for p in HTTP_PROMPTS[:2]]
@@ -378,4 +366,4 @@ def test_switches_under_concurrent_streams_keep_them_exact_and_free_every_block(
     assert wait_until(lambda: backend.snapshot().get("num_drafts", 0) > 0, timeout=5), "nothing was drafted"
     assert wait_until(lambda: (lambda s: s.get("running") == 0 and s.get("waiting") == 0
                                and s.get("blocks_held") == 0)(backend.snapshot()), timeout=20), backend.snapshot()
-    assert _http(base, "/admin/speculation") == (200, answers[-1][0])
+    assert http(base, "/admin/speculation") == (200, answers[-1][0])

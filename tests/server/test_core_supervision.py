@@ -13,7 +13,6 @@ restart is applied everywhere or nowhere; after shutdown no core process is left
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -24,7 +23,7 @@ import urllib.request
 import pytest
 
 from specserve.core import EngineCoreClient, EngineGroup
-from tests.server.conftest import ServerThread, SseStream, engine_config, wait_until
+from tests.server.conftest import ServerThread, SseStream, engine_config, http, wait_until
 
 LONG = 480   # tokens a long stream asks for (the checkpoint's context is 512)
 
@@ -38,17 +37,6 @@ def cfg(server_target):
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-def http(srv_base: str, path: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, dict]:
-    """(status, JSON body) of a GET (body None) or POST."""
-    req = urllib.request.Request(srv_base + path, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def health(base: str) -> int:
