@@ -250,6 +250,7 @@ class _Run:
             state.async_engine.generate(c.prompt_ids, c.params, f"{id_prefix}-{c.index}") for c in choices
         ]
         self.arrival = time.monotonic()
+        self.created = int(time.time())   # the response's `created`: when the request came, as OpenAI stamps it
         self.last_time: list[float | None] = [None] * len(choices)
         self.num_tokens = [0] * len(choices)
         self.logprobs_sent = [0] * len(choices)   # output tokens whose logprobs went out
@@ -489,7 +490,7 @@ def _stream_error(e: Exception) -> ApiError:
 
 
 def _header(run: _Run) -> dict:
-    return {"id": run.id, "created": int(time.time()), "model": run.state.model_name}
+    return {"id": run.id, "created": run.created, "model": run.state.model_name}
 
 
 async def _complete(run: _Run, firsts: list[RequestOutput]) -> web.Response:
@@ -729,7 +730,9 @@ async def _errors(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return ApiError(e.status, f"{request.method} {request.path}: {e.reason}", code=str(e.status)).response()
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None   # a 405 says what is
+        return ApiError(e.status, f"{request.method} {request.path}: {e.reason}", code=str(e.status),
+                        headers=allow).response()
     except ApiError as e:
         return e.response()
     except (asyncio.CancelledError, ConnectionError):

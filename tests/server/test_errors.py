@@ -121,6 +121,16 @@ def test_unknown_route_is_a_json_404(srv):
     assert status == 404 and "error" in body
 
 
+def test_a_wrong_method_is_a_json_405_that_says_the_allowed_one(srv):
+    import urllib.error
+    import urllib.request
+
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(srv.url + "/completions", timeout=30)   # a GET
+    assert e.value.code == 405 and e.value.headers["Allow"] == "POST"
+    assert json.loads(e.value.read())["error"]["code"] == "405"
+
+
 def test_queue_full_is_429_with_retry_after(srv):
     """max_num_seqs = 1, max_waiting_requests = 1: one running, one waiting, the third is refused."""
     import openai
