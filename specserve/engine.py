@@ -332,9 +332,12 @@ class LLMEngine:
                 f"{total} ({len(prompt_ids)} in the prompt, {params.max_tokens} to generate)",
                 param="max_tokens" if len(prompt_ids) < self.max_model_len else "prompt",
             )
-        if blocks_needed(total, self.pool.block_size) > self.pool.num_blocks:
+        # KV for every token but the last one generated, which is never computed (a request for
+        # prompt logprobs alone, max_tokens 0, computes its whole prompt).
+        kv_tokens = max(len(prompt_ids), total - 1)
+        if blocks_needed(kv_tokens, self.pool.block_size) > self.pool.num_blocks:
             raise InvalidRequestError(
-                f"the request needs {total} tokens of KV cache but the whole pool holds "
+                f"the request needs {kv_tokens} tokens of KV cache but the whole pool holds "
                 f"{self.pool.num_blocks * self.pool.block_size}",
                 param="max_tokens",
             )

@@ -50,14 +50,20 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         ids = []
-        for prompt, p in zip(prompts, params):
-            ids.append(self.engine.add_request(None, prompt, p).request_id)
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(None, prompt, p).request_id)
+        except Exception:
+            for request_id in ids:   # all or nothing: no part of a refused batch stays queued
+                self.engine.abort_request(request_id)
+            raise
         finished: dict[str, RequestOutput] = {}
+        wanted = set(ids)
         bar = tqdm(total=len(ids), desc="generate", disable=not progress)
         self.engine.idle()   # the time since the last call is not the first step's cost
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                if out.finished:
+                if out.finished and out.request_id in wanted:   # not one aborted from a refused batch
                     finished[out.request_id] = out
                     bar.update(1)
         bar.close()
