@@ -244,8 +244,8 @@ class _Run:
     """The engine requests of one HTTP request, started together and always closed together."""
 
     def __init__(self, state: ServerState, choices: list[Choice], id_prefix: str, chat: bool,
-                 provenance: bool = False):
-        self.state, self.choices, self.chat, self.id = state, choices, chat, id_prefix
+                 provenance: bool = False, response_id: str | None = None):
+        self.state, self.choices, self.chat, self.id = state, choices, chat, response_id or id_prefix
         self.gens: list[AsyncIterator[RequestOutput]] = [
             state.async_engine.generate(c.prompt_ids, c.params, f"{id_prefix}-{c.index}") for c in choices
         ]
@@ -460,7 +460,11 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     state.num_inflight += 1
     state.idle.clear()
     kind = "chatcmpl" if chat else "cmpl"
-    run = _Run(state, choices, f"{kind}-{uuid.uuid4().hex}", chat, provenance)
+    # A client's X-Request-Id names the response, as in vLLM ("cmpl-<id>"); the engine's own ids
+    # stay unique whatever clients send.
+    given = request.headers.get("X-Request-Id", "")
+    response_id = f"{kind}-{given}" if 0 < len(given) <= 256 and given.isprintable() else None
+    run = _Run(state, choices, f"{kind}-{uuid.uuid4().hex}", chat, provenance, response_id)
     try:
         try:
             firsts = await run.first_outputs()

@@ -146,3 +146,20 @@ def test_one_keep_alive_connection_serves_streams_errors_and_json(server):
             assert data.endswith(b"data: [DONE]\n\n") if body.get("stream") else json.loads(data)
     finally:
         conn.close()
+
+
+def test_x_request_id_names_the_response_and_two_alike_both_run(server):
+    """As vLLM: a client's X-Request-Id becomes the response's id (cmpl-<id>); two requests that
+    send the same one at once both run (the engine's own ids stay unique)."""
+    import concurrent.futures
+
+    client = server.client()
+
+    def one(_):
+        return client.completions.create(model=model_name(server), prompt="Hi", max_tokens=3, temperature=0,
+                                         extra_headers={"X-Request-Id": "bench-7"})
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        outs = list(pool.map(one, range(2)))
+    assert [o.id for o in outs] == ["cmpl-bench-7"] * 2 and outs[0].choices[0].text == outs[1].choices[0].text
+    assert client.completions.create(model=model_name(server), prompt="Hi", max_tokens=1).id != "cmpl-bench-7"
