@@ -22,6 +22,7 @@ from specserve import LLM, SamplingParams
 from specserve.sampling import target_probs
 from tests.checkpoints import make_checkpoint
 from tests.engine.conftest import early_stop_at
+from tests.engine.test_lossless import bound, tv
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/engine/conftest.py
 
@@ -85,14 +86,6 @@ def exact_joint(hf, params: SamplingParams, length: int) -> dict[tuple[int, ...]
         joint = nxt
     assert abs(sum(joint.values()) - 1.0) < 1e-9
     return joint
-
-
-def tv(counts: Counter, n: int, exact: dict) -> float:
-    return 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(counts) | set(exact))
-
-
-def bound(k: int, n: int) -> float:
-    return 0.5 * math.sqrt(k / n) + math.sqrt(math.log(1000) / (2 * n))
 
 
 def make_llm(target, draft, n: int, tree: str = "chain", depth: int = 2, **kw) -> LLM:
