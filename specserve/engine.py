@@ -122,7 +122,7 @@ class LLMEngine:
                 )
             self._check_same_tokenizer(config.draft.path)
             spec = config.spec
-            width = max(spec.branching, default=0) if spec.tree == "fixed" else spec.topk if spec.tree == "dynamic" else 1
+            width = {"fixed": max(spec.branching, default=0), "dynamic": spec.topk}.get(spec.tree, 1)
             if width > draft_args.vocab_size:
                 key = "spec.branching" if spec.tree == "fixed" else "spec.topk"
                 raise config_mod.ConfigError(f"{key} asks for {width} children of a node, more than the "
@@ -224,10 +224,8 @@ class LLMEngine:
                 logger.info("%s: now on its compiled forward (%s)", name, package)
                 taken = True
         self._building = waiting
-        if taken:   # a controller kept for a later switch to adaptive probes afresh then
-            self.spec._detached = None
-            if self.spec.controller is not None:
-                self.spec.controller = self.spec.make_controller()
+        if taken:
+            self.spec.costs_changed()
 
     def _packed_is_faster(self, runner: ModelRunner) -> bool:
         """[cpu] linear = "auto": whether the model's oneDNN-packed forward beats F.linear on this

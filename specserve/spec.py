@@ -118,6 +118,13 @@ class Speculator:
             return {"mode": "adaptive"}
         return {"mode": "static", "depth": self.static_depth}
 
+    def costs_changed(self) -> None:
+        """The forwards' costs changed (a compiled forward was taken up): the controller probes
+        afresh, and one kept while a static depth plans is dropped (a switch to adaptive probes)."""
+        self._detached = None
+        if self.controller is not None:
+            self.controller = self.make_controller()
+
     def set_setting(self, mode: str, depth: int | None = None) -> dict:
         """Switch between the adaptive controller and a static depth between two steps. Any
         depth is exact (verification keeps only what the target agrees with), so requests in
