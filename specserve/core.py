@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import multiprocessing
 import os
@@ -260,7 +261,7 @@ _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "failed", "preemptions
 
 
 def _add(a: list, b: list) -> list:
-    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(max(len(a), len(b)))]
+    return [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0)]
 
 
 class EngineCoreClient:
