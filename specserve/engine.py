@@ -171,6 +171,10 @@ class LLMEngine:
             "pool: %d blocks x %d tokens = %d tokens, %.1f MiB (%d bytes per block)",
             num_blocks, block_size, num_blocks * block_size, self.pool_bytes / 2**20, bytes_per_block,
         )
+        if num_blocks * block_size < self.max_model_len:
+            logger.warning("the KV pool holds %d tokens, fewer than the context (max_model_len %d): a request "
+                           "longer than the pool is refused (raise [cache] kv_cache_bytes or memory_fraction, "
+                           "or lower target.max_model_len)", num_blocks * block_size, self.max_model_len)
 
     def _use_compiled(self, config: EngineConfig, block_size: int) -> None:
         """[cpu] compile = "auto": each float32 model runs its compiled forward when one is cached;

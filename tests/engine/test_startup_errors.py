@@ -103,6 +103,14 @@ def test_a_max_model_len_beyond_the_checkpoint_is_refused_not_silently_cut(ckpt)
     assert "max_model_len" in msg and "4096" in msg and "512" in msg
 
 
+def test_a_pool_smaller_than_the_context_is_said_at_start(ckpt, caplog):
+    """64 blocks of 4 hold 256 tokens of a 512-token context: requests past them are refused, and
+    the start-up log says so (and what to raise) before the first one is."""
+    with caplog.at_level(logging.WARNING, logger="specserve"):
+        _llm(target=str(ckpt), block_size=4)
+    assert "the KV pool holds 256 tokens, fewer than the context (max_model_len 512)" in caplog.text
+
+
 def test_a_tree_wider_than_the_vocabulary_is_refused_or_capped(ckpt, caplog):
     """spec.topk = 1000 on a 403-token model passes the config check; then every step raises
     (top-k out of range) and is run again sequence by sequence, a traceback in the log each time."""
