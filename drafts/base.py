@@ -30,13 +30,11 @@ class Drafter(Protocol):
     has_kv: bool  # True when the drafter keeps KV in the shared pool (a model drafter)
     levels_run: int  # draft forwards that grew trees in the last propose()
 
-    def prefill(self, prefills: list[ScheduledSeq]) -> None:
-        """Keep the drafter's KV in step with the target's prompt prefill (chunks)."""
-
     def propose(
         self, seqs: list[ScheduledSeq], shape: TreeShape, prefills: list[ScheduledSeq]
     ) -> list[DraftTree]:
-        """One tree per sequence in `seqs`, at most seq.num_spec_nodes nodes each."""
+        """One tree per sequence in `seqs`, at most seq.num_spec_nodes nodes each; a drafter
+        with KV also catches it up on `prefills`' prompt chunks."""
 
     def forget(self, request: Request) -> None:
         """The request has finished."""

@@ -113,14 +113,6 @@ class ModelDrafter:
                 ends.append((s.request, end))
         return ends
 
-    def prefill(self, prefills: list[ScheduledSeq]) -> None:
-        inp = ForwardInput()
-        ends = self._add_prefills(inp, prefills)
-        if inp.num_rows:
-            self.runner.forward(inp)
-        for req, end in ends:
-            req.num_draft_computed_tokens = end
-
     @torch.inference_mode()
     def propose(self, seqs: list[ScheduledSeq], shape: TreeShape, prefills: list[ScheduledSeq]) -> list[DraftTree]:
         self.levels_run = 0

@@ -38,9 +38,6 @@ class NgramDrafter:
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
 
-    def prefill(self, prefills: list[ScheduledSeq]) -> None:
-        pass
-
     def propose(self, seqs: list[ScheduledSeq], shape: TreeShape, prefills: list[ScheduledSeq]) -> list[DraftTree]:
         # A chain whatever the shape: one earlier occurrence gives one continuation.
         trees = []
