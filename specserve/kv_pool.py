@@ -16,6 +16,12 @@ Prefix caching (automatic, vLLM-style): the i-th full block of a sequence is key
 (None for the first block). The dict key keeps the token tuple, so two different blocks
 can never share an entry through a hash collision of their own tokens; the chain's parent
 hash makes a block's key depend on the whole prefix before it.
+
+A cached block always holds the target's KV; a draft model's may lag behind it (the draft
+idles while the controller decodes plainly), so each cached block also records whether the
+draft's KV is in it. A hit restores the target's KV on every matched block and the draft's
+on the leading run of draft-complete ones; the draft computes the rest beside the prompt's
+next chunk, which costs it no more than a miss would, while the target's prefill is saved.
 """
 
 from collections import OrderedDict, deque
@@ -42,6 +48,7 @@ class KVPool:
         # Key of each hashed block, None while the block holds no cached full block.
         self._block_keys: list[BlockKey | None] = [None] * num_blocks
         self._cached: dict[BlockKey, int] = {}                 # key -> block id
+        self._draft_ok = [False] * num_blocks   # a cached block whose draft KV is computed too
         self._free_block_ids: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()   # oldest first
         # Prefix-cache counters for metrics: prompt tokens looked up / found cached.
@@ -141,6 +148,19 @@ class KVPool:
         self.prefix_cache_hit_tokens += num_cached_tokens
         return block_ids, num_cached_tokens
 
+    def draft_cached_tokens(self, block_ids: Sequence[int]) -> int:
+        """Tokens at the head of a `match_prefix` result whose draft KV is cached too."""
+        n = 0
+        while n < len(block_ids) and self._draft_ok[block_ids[n]]:
+            n += 1
+        return n * self.block_size
+
+    def mark_draft(self, block_ids: Sequence[int]) -> None:
+        """The draft's KV of these blocks is computed now; the cached ones record it."""
+        for block_id in block_ids:
+            if self._block_keys[block_id] is not None:
+                self._draft_ok[block_id] = True
+
     def cache_blocks(
         self,
         block_hashes: list[int],
@@ -150,8 +170,8 @@ class KVPool:
     ) -> None:
         """Register the sequence's full blocks among its first `num_tokens` tokens.
 
-        `num_tokens` counts only tokens whose KV is computed for every model (never draft
-        scratch). `block_hashes` is the sequence's own list, one hash per block already
+        `num_tokens` counts only tokens whose target KV is computed (never speculative
+        scratch); a block enters without its draft KV (`mark_draft`). `block_hashes` is the sequence's own list, one hash per block already
         registered; it is extended in place, so each block is hashed once. Blocks obtained
         from `match_prefix` are simply recognised as already cached.
         If an identical block is already cached under another id (two sequences computed the
@@ -174,6 +194,7 @@ class KVPool:
             elif key not in self._cached:
                 self._cached[key] = block_id
                 self._block_keys[block_id] = key
+                self._draft_ok[block_id] = False
             block_hashes.append(hash(key))
 
     def reset_prefix_cache(self) -> int:
@@ -191,6 +212,7 @@ class KVPool:
     def _uncache(self, block_id: int) -> None:
         key = self._block_keys[block_id]
         self._block_keys[block_id] = None
+        self._draft_ok[block_id] = False
         if key is not None and self._cached.get(key) == block_id:
             del self._cached[key]
 
@@ -221,5 +243,7 @@ class KVPool:
                 assert block_id in evictable, f"cached block {block_id} with refcount 0 is not evictable"
             if key is not None:
                 assert self._cached.get(key) == block_id, f"block {block_id} has a key not mapped to it"
+            else:
+                assert not self._draft_ok[block_id], f"uncached block {block_id} is marked draft-complete"
         for key, block_id in self._cached.items():
             assert self._block_keys[block_id] == key, f"cache entry for block {block_id} does not match its key"

@@ -21,7 +21,6 @@ class RequestStats:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    finish_time: float | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_target_passes: int = 0  # target forwards that produced tokens for this request
@@ -71,6 +70,7 @@ class Request:
         self.block_hashes: list[int] = []
         self.num_computed_tokens = 0
         self.num_draft_computed_tokens = 0
+        self.num_draft_marked_blocks = 0   # leading blocks the pool knows hold the draft's KV
         # What the engine has already reported (for incremental outputs).
         self.num_reported_tokens = 0
         self.text = ""

@@ -81,7 +81,6 @@ class Scheduler:
             return
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        request.stats.finish_time = time.monotonic()
         self._cache_blocks(request)  # a request finishing in its first step still fills the cache
         self._free_blocks(request)
 
@@ -129,7 +128,11 @@ class Scheduler:
             if not req.block_table and self.pool.enable_prefix_caching and not owed:
                 blocks, num_cached = self.pool.match_prefix(req.token_ids)
                 req.block_table = list(blocks)
-                req.num_computed_tokens = req.num_draft_computed_tokens = num_cached
+                req.num_computed_tokens = num_cached
+                # The draft computes what the cache holds only of the target's KV.
+                req.num_draft_computed_tokens = self.pool.draft_cached_tokens(blocks) if self.has_draft_kv \
+                    else num_cached
+                req.num_draft_marked_blocks = req.num_draft_computed_tokens // self.pool.block_size
                 req.stats.num_cached_tokens = max(req.stats.num_cached_tokens, num_cached)
             num_new = req.num_tokens - req.num_computed_tokens
             if num_new > budget:
@@ -167,9 +170,12 @@ class Scheduler:
         if self.pool.enable_prefix_caching and request.block_table:
             # Capped by num_tokens: a step cut short by a stop drops tokens it had computed.
             num_valid = min(request.num_computed_tokens, request.num_tokens)
-            if self.has_draft_kv:
-                num_valid = min(num_valid, request.num_draft_computed_tokens)
             self.pool.cache_blocks(request.block_hashes, request.block_table, request.token_ids, num_valid)
+            if self.has_draft_kv:
+                done = min(num_valid, request.num_draft_computed_tokens) // self.pool.block_size
+                if done > request.num_draft_marked_blocks:
+                    self.pool.mark_draft(request.block_table[request.num_draft_marked_blocks:done])
+                    request.num_draft_marked_blocks = done
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -219,4 +225,4 @@ class Scheduler:
         req.block_table = []
         req.block_hashes = []
         req.num_computed_tokens = 0
-        req.num_draft_computed_tokens = 0
+        req.num_draft_computed_tokens = req.num_draft_marked_blocks = 0

@@ -83,14 +83,16 @@ def test_context_end(models, ref):
 
 def check_kv(eng):
     """With the target as its own draft, every position the draft claims (for running
-    requests) and every position of every cached block holds the target's K/V in both models."""
+    requests) and every position of every draft-complete cached block holds the target's K/V
+    in both models."""
     bs = eng.pool.block_size
     slots = []
     for req in eng.scheduler.running:
         n = min(req.num_computed_tokens, req.num_draft_computed_tokens, req.num_tokens)
         slots += [req.block_table[p // bs] * bs + p % bs for p in range(n)]
     for key, block in eng.pool._cached.items():
-        slots += [block * bs + j for j in range(bs)]
+        if eng.pool._draft_ok[block]:   # a block cached while the draft lagged holds only the target's
+            slots += [block * bs + j for j in range(bs)]
     if not slots:
         return 0
     idx = torch.tensor(slots)
@@ -163,6 +165,25 @@ def test_prefix_hits_across_settings_keep_both_models_kv(models, ref, tree, kw):
     for rid, r in refs.items():
         same([finals[rid]], [r], logprobs=True)
     assert eng.spec.totals.num_drafts > 0
+
+
+@pytest.mark.parametrize("tree", ["chain", "dynamic"])
+def test_output_decoded_while_the_draft_idles_is_cached_for_the_next_turn(models, ref, tree):
+    """A first turn decoded plainly (depth 0: the draft computes nothing past the prompt)
+    leaves its output's full blocks in the prefix cache with the target's KV only; a second
+    turn that extends it hits them all, the draft computes their KV beside the new chunk,
+    and speculation on it equals the target alone, the draft's KV checked every step."""
+    eng = make(models, "perfect", spec_tree=tree, spec_depth=0).engine
+    first = drive(eng, [(0, "add", ("a", SHARED, greedy(16)))])["a"]
+    turn = SHARED + first.token_ids + [41, 42, 43]
+    cached = (len(SHARED) + len(first.token_ids)) // BS   # full blocks of prompt + output
+    assert sum(not eng.pool._draft_ok[b] for b in eng.pool._cached.values()) >= cached - len(SHARED) // BS
+    eng.set_speculation("static", 3)
+    second = drive(eng, [(0, "add", ("b", turn, greedy(12, logprobs=1)))])["b"]
+    assert eng.pool.prefix_cache_hit_tokens == cached * BS
+    same([second], ref.generate([turn], greedy(12, logprobs=1)), logprobs=True)
+    assert eng.spec.totals.num_drafts > 0
+    assert all(eng.pool._draft_ok[b] for b in eng.pool._cached.values())   # the draft caught up
 
 
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 10, 11, 12, 13, 10, 11], [200 + i for i in range(17)], [420, 401, 33, 447]]

@@ -352,8 +352,6 @@ class PoolAndScheduler(RuleBasedStateMachine):
         in the prefix cache (a request finishing in its first step included)."""
         bs = self.pool.block_size
         valid = min(req.num_computed_tokens, req.num_tokens)
-        if self.has_draft_kv:
-            valid = min(valid, req.num_draft_computed_tokens)
         keys = block_keys(req.token_ids, bs, min(valid // bs, len(req.block_table)))
         # Blocks hashed before stay private if another block held their key then (cache_blocks).
         keys = [key for i, key in enumerate(keys)
@@ -503,8 +501,7 @@ class PoolAndScheduler(RuleBasedStateMachine):
             assert 0 <= r.num_draft_computed_tokens <= r.num_tokens, f"{r!r}"
             assert blocks_needed(r.num_computed_tokens, bs) <= len(r.block_table) <= blocks_needed(r.num_tokens, bs)
             # The sequence's block hashes are its own tokens' chain, over blocks whose KV is computed.
-            valid = min(r.num_computed_tokens, r.num_draft_computed_tokens if self.has_draft_kv else r.num_tokens)
-            assert len(r.block_hashes) * bs <= valid and len(r.block_hashes) <= len(r.block_table)
+            assert len(r.block_hashes) * bs <= r.num_computed_tokens and len(r.block_hashes) <= len(r.block_table)
             keys = block_keys(r.token_ids, bs, min(len(r.block_table), r.num_tokens // bs))
             assert r.block_hashes == [hash(k) for k in keys[:len(r.block_hashes)]], f"{r!r}: stale block hashes"
             for i, b in enumerate(r.block_table):   # a cached block holds what the sequence holds there
@@ -513,14 +510,15 @@ class PoolAndScheduler(RuleBasedStateMachine):
                     assert i < len(keys) and key == keys[i], f"{r!r}: block {b} at index {i} is cached as {key}"
             if r.status is RequestStatus.WAITING:
                 # Only a prefix-cache hit held while waiting (admission without chunking).
-                assert len(r.block_table) * bs == r.num_computed_tokens == r.num_draft_computed_tokens
+                assert len(r.block_table) * bs == r.num_computed_tokens >= r.num_draft_computed_tokens
                 assert not r.block_table or not owes_prompt_logprobs(r)
         self.check_content()
         self.busy = was_busy
 
     def check_content(self) -> None:
         """Both models' KV (the shadow) holds each live sequence's tokens at its computed
-        positions, and every cached block the tokens its key names."""
+        positions, and every cached block the tokens its key names (the draft's too where the
+        block is marked draft-complete)."""
         bs = self.pool.block_size
         for r in list(self.sched.running) + list(self.sched.waiting):
             n = min(r.num_computed_tokens, r.num_tokens)
@@ -533,7 +531,7 @@ class PoolAndScheduler(RuleBasedStateMachine):
         for key, b in self.pool._cached.items():
             slots = range(b * bs, (b + 1) * bs)
             assert tuple(self.target_kv.get(s) for s in slots) == key[1], f"cached block {b}: target KV is not {key}"
-            if self.has_draft_kv:
+            if self.has_draft_kv and self.pool._draft_ok[b]:
                 assert tuple(self.draft_kv.get(s) for s in slots) == key[1], f"cached block {b}: draft KV is not {key}"
 
     def teardown(self):

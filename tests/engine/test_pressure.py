@@ -62,14 +62,15 @@ def reference(models):
 
 def check_draft_kv(eng) -> int:
     """With the target as its own draft: every position the draft claims for a running request,
-    and every position of every cached block, holds the same K/V in both models."""
+    and every position of every draft-complete cached block, holds the same K/V in both models."""
     bs = eng.pool.block_size
     slots = []
     for req in eng.scheduler.running:
         n = min(req.num_computed_tokens, req.num_draft_computed_tokens, req.num_tokens)
         slots += [req.block_table[p // bs] * bs + p % bs for p in range(n)]
     for block in eng.pool._cached.values():
-        slots += range(block * bs, (block + 1) * bs)
+        if eng.pool._draft_ok[block]:
+            slots += range(block * bs, (block + 1) * bs)
     if slots:
         idx = torch.tensor(slots)
         for (tk, tv), (dk, dv) in zip(eng.target.kv_caches, eng.draft.kv_caches):
