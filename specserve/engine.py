@@ -98,7 +98,12 @@ class LLMEngine:
             config.target.path, dtype=_dtype(config.target.dtype), device=self.device, progress=progress
         )
         self.tokenizer = load_tokenizer(config.target.path)
+        # generation_config.json's (else config.json's) ids and the tokenizer's eos_token, as vLLM
+        # stops: a ChatML fine-tune's tokenizer ends turns in <|im_end|> while its config files
+        # often still name the base model's <|endoftext|>.
         self.eos_token_ids = load_eos_token_ids(config.target.path)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in self.eos_token_ids:
+            self.eos_token_ids.append(self.tokenizer.eos_token_id)
         positions = self.target_args.max_position_embeddings
         if config.target.max_model_len and config.target.max_model_len > positions:
             raise config_mod.ConfigError(
@@ -127,7 +132,16 @@ class LLMEngine:
                 key = "spec.branching" if spec.tree == "fixed" else "spec.topk"
                 raise config_mod.ConfigError(f"{key} asks for {width} children of a node, more than the "
                                              f"{draft_args.vocab_size} tokens of the draft's vocabulary")
-            self.max_model_len = min(self.max_model_len, draft_args.max_position_embeddings)
+            draft_positions = draft_args.max_position_embeddings
+            if config.target.max_model_len and config.target.max_model_len > draft_positions:
+                raise config_mod.ConfigError(
+                    f"target.max_model_len = {config.target.max_model_len} is more than the {draft_positions} "
+                    f"positions of the draft {config.draft.path} (max_position_embeddings in its config.json)")
+            if draft_positions < self.max_model_len:
+                logger.warning("the context is cut to %d tokens: the draft %s has max_position_embeddings %d, "
+                               "fewer than the target's %d", draft_positions, config.draft.path, draft_positions,
+                               self.max_model_len)
+                self.max_model_len = draft_positions
 
         # One pool: every block holds `block_size` positions of BOTH models' KV.
         block_size = config.cache.block_size
@@ -492,7 +506,10 @@ class LLMEngine:
                 tok in req.stop_token_ids or (tok in req.eos_token_ids and not params.ignore_eos)
             ):
                 reason = "stop"
-                req.stop_reason = tok if tok in req.stop_token_ids else None   # EOS: None, as vLLM
+                # vLLM: null for the tokenizer's eos_token; generation_config's other EOS ids
+                # (Llama 3.1's <|eom_id|>, Gemma's <end_of_turn>) act as stop_token_ids: their id.
+                primary = tok == self.tokenizer.eos_token_id and not params.ignore_eos
+                req.stop_reason = None if primary else tok
             elif n_out >= params.max_tokens or req.num_tokens >= self.max_model_len:
                 reason = "length"
             if reason:
