@@ -215,16 +215,18 @@ def from_dict(data: dict, source: str = "config", base_dir: Path | None = None) 
         if choices:
             why += f"; allowed: {', '.join(map(repr, choices))}"
         raise ConfigError(f"{source}: {key} = {value!r} is invalid: {why}") from None
+    if "depth" not in (data.get("spec") or {}):   # the default static depth follows a lower max_depth
+        cfg.spec.depth = min(cfg.spec.depth, cfg.spec.max_depth)
     return _finish(cfg, source, base_dir)
 
 
 def _finish(cfg: EngineConfig, source: str, base_dir: Path | None) -> EngineConfig:
     """Cross-field checks and path resolution."""
     cfg.target.path = str(resolve_path(cfg.target.path, base_dir))
-    if cfg.draft.kind == "model":
-        if not cfg.draft.path:
-            raise ConfigError(f"{source}: draft.kind = 'model' needs draft.path (a Hugging Face directory)")
+    if cfg.draft.path:   # whatever the kind: a later override of the kind keeps this file's base
         cfg.draft.path = str(resolve_path(cfg.draft.path, base_dir))
+    if cfg.draft.kind == "model" and not cfg.draft.path:
+        raise ConfigError(f"{source}: draft.kind = 'model' needs draft.path (a Hugging Face directory)")
     if cfg.draft.ngram_min > cfg.draft.ngram_max:
         raise ConfigError(
             f"{source}: draft.ngram_min = {cfg.draft.ngram_min} must be <= draft.ngram_max = {cfg.draft.ngram_max}"

@@ -55,7 +55,9 @@ def profile_key(engine, buckets: list[int], max_rows: int) -> dict:
         "target": _checkpoint_id(cfg.target.path),
         "draft": _checkpoint_id(cfg.draft.path) if cfg.draft.kind == "model" else cfg.draft.kind,
         "dtype": str(engine.target.model.dtype), "device": device, "threads": torch.get_num_threads(),
-        "onednn": any("onednn" in m.__dict__ for m in engine.target.model.modules()),
+        "draft_dtype": str(engine.draft.model.dtype) if engine.draft is not None else None,
+        "onednn": [r is not None and any("onednn" in m.__dict__ for m in r.model.modules())
+                   for r in (engine.target, engine.draft)],
         "compiled": [r is not None and r.compiled is not None for r in (engine.target, engine.draft)],
         "block_size": engine.pool.block_size,
         "buckets": buckets, "max_rows": max_rows,
