@@ -286,6 +286,7 @@ class EngineCoreClient:
         self._speculation: tuple[str, int | None] | None = None   # set by an operator: outlives a restart
         self._proc = None
         self._ctx = None
+        self._ipc_files: list[str] = []
         self._stopping = False
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(FromCore).decode
@@ -314,6 +315,7 @@ class EngineCoreClient:
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.bind(in_addr)
         self._pull.bind(out_addr)
+        self._ipc_files = [base + "-in", base + "-out"]   # libzmq leaves a bound ipc endpoint's file
         spawn = multiprocessing.get_context("spawn")
         self._proc = spawn.Process(target=run_core, args=(self.config, in_addr, out_addr, self.cpus),
                                    name="specserve-core", daemon=True)
@@ -330,8 +332,7 @@ class EngineCoreClient:
         try:
             await self._ready()
         except EngineDeadError:   # nothing of a core that did not start stays behind
-            self._push.close()
-            self._pull.close()
+            self._close_sockets()
             if self._proc.is_alive():
                 self._proc.kill()
             raise
@@ -365,8 +366,7 @@ class EngineCoreClient:
         self.restarting, self.error = True, EngineDeadError(f"the engine core exited with code {code}")
         self.fail_all(EngineDeadError(f"the engine stopped (its process exited with code {code}) and is "
                                       "restarting; retry"))
-        self._push.close()
-        self._pull.close()
+        self._close_sockets()
         self.restarts += 1
         for key in _COUNTERS:
             self._carried[key] = self._carried.get(key, 0) + self._snapshot.get(key, 0)
@@ -384,6 +384,15 @@ class EngineCoreClient:
         if self._speculation is not None and not self._stopping:   # before any request: sockets keep order
             self._send(SetSpeculation(-1, *self._speculation))
         self.restarting = False
+
+    def _close_sockets(self) -> None:
+        """Close this core's two sockets and remove their ipc files."""
+        self._push.close()
+        self._pull.close()
+        for path in self._ipc_files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self._ipc_files = []
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, Step):
@@ -425,6 +434,7 @@ class EngineCoreClient:
             if self._proc.is_alive():
                 self._proc.kill()
                 await asyncio.to_thread(self._proc.join, 5.0)
+        self._close_sockets()
         self._ctx.destroy(linger=0)
         if self._proc.exitcode is not None:   # its sentinel pipe now, not when the client is collected
             self._proc.close()

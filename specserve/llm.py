@@ -56,6 +56,8 @@ class LLM:
         except Exception:
             for request_id in ids:   # all or nothing: no part of a refused batch stays queued
                 self.engine.abort_request(request_id)
+            if ids:
+                self.engine.step()   # reports the aborted requests, and with that lets go of them
             raise
         finished: dict[str, RequestOutput] = {}
         wanted = set(ids)
