@@ -346,10 +346,12 @@ def main(argv=None) -> int:
                     help="llama.cpp's --spec-draft-n-max settings run (each its own server)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default="benchmarks/out/peer.json")
+    ap.add_argument("--bound-only", action="store_true",
+                    help="only plain decoding against the memory-bandwidth bound (no llama.cpp)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if not shutil.which("cmake"):
+    if not shutil.which("cmake") and not args.bound_only:
         raise SystemExit("cmake is needed to build llama-server (apt-get install cmake g++)")
     from transformers import AutoTokenizer
 
@@ -361,6 +363,8 @@ def main(argv=None) -> int:
     plain = plain_decoding(warm[0], 256, max(args.rounds, 5))
     bound_line = bound_text(plain)
     print(bound_line, flush=True)
+    if args.bound_only:
+        return 0
     print("preparing llama.cpp", flush=True)
     made = servers(cache_dir(), out.parent, args.llama_draft_max, args.threads)
     names = [s.name for s in made]
