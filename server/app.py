@@ -146,8 +146,9 @@ def _tokenize(tokenizer, req: protocol.ChatRequest | protocol.CompletionRequest,
                 if isinstance(p, str) else list(p) for p in prompts]
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+    # Text parts join with newlines, as vLLM renders them for a text-only template.
     rendered = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
-                 "".join(part.text for part in m.content or [])} for m in req.messages]
+                 "\n".join(part.text for part in m.content or [])} for m in req.messages]
     try:
         text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=req.add_generation_prompt,
                                              continue_final_message=req.continue_final_message,

@@ -92,8 +92,9 @@ def test_chat_stream_equals_non_stream(server):
 
 def test_chat_content_as_text_parts(server):
     client, model = server.client(), model_name(server)
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "a story."}]}]
-    plain = [{"role": "user", "content": "Tell me a story."}]
+    """Text parts render as their texts joined by newlines (vLLM's rendering)."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "a story."}]}]
+    plain = [{"role": "user", "content": "Tell me\na story."}]
     a = client.chat.completions.create(model=model, messages=parts, max_tokens=12, temperature=0)
     b = client.chat.completions.create(model=model, messages=plain, max_tokens=12, temperature=0)
     assert a.choices[0].message.content == b.choices[0].message.content
