@@ -331,7 +331,7 @@ class EngineCoreClient:
                     os.environ[k] = v
         try:
             await self._ready()
-        except EngineDeadError:   # nothing of a core that did not start stays behind
+        except BaseException:   # nothing of a core that did not start stays behind (also on ^C)
             self._close_sockets()
             if self._proc.is_alive():
                 self._proc.kill()
@@ -372,6 +372,10 @@ class EngineCoreClient:
             self._carried[key] = self._carried.get(key, 0) + self._snapshot.get(key, 0)
         self._carried["accepted_per_position"] = _add(self._carried.get("accepted_per_position", []),
                                                       self._snapshot.get("accepted_per_position", []))
+        # The dead core's counters are carried now; until the new core's Ready replaces it, the
+        # snapshot holds none of them (else they count twice) and none of its requests.
+        self._snapshot = {**self._snapshot, **{key: 0 for key in _COUNTERS}, "accepted_per_position": [],
+                          "running": 0, "waiting": 0, "kv_usage": 0.0, "blocks_held": 0}
         delay = 1.0
         while not self._stopping:
             try:

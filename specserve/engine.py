@@ -546,10 +546,14 @@ class LLMEngine:
     def reset(self) -> None:
         """Start over after the engine loop died: a new pool and scheduler (the models and their
         KV tensors stay), no requests; the controller keeps what it learned of the machine."""
-        config = self.config
+        config, old_pool, old_scheduler = self.config, self.pool, self.scheduler
         self.pool = KVPool(self.pool.num_blocks, self.pool.block_size,
                            enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.pool, self.max_model_len, has_draft_kv=self.draft is not None)
+        # /metrics' counters never go back: the new pool and scheduler go on from the old ones' counts
+        self.pool.prefix_cache_query_tokens = old_pool.prefix_cache_query_tokens
+        self.pool.prefix_cache_hit_tokens = old_pool.prefix_cache_hit_tokens
+        self.scheduler.num_preemptions = old_scheduler.num_preemptions
         for req in list(self.requests.values()):
             self.spec.forget(req)
         self.spec.recover()
