@@ -12,6 +12,29 @@ import time
 from specserve.errors import SpecserveError
 
 
+def _int_in(low: int, high: int | None = None):
+    """An argparse type: an integer in [low, high], else argparse's one-line error naming the flag."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be an integer {'in [%d, %d]' % (low, high) if high is not None else '>= %d' % low}, got {value}")
+        return value
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config (default: the embedded pair, configs/tiny.toml)")
     p.add_argument("--target", help="target model directory (overrides [target] path)")
@@ -20,11 +43,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float64"])
     p.add_argument("--spec-mode", choices=["adaptive", "static"])
-    p.add_argument("--spec-depth", type=int)
+    p.add_argument("--spec-depth", type=_int_in(0))
     p.add_argument("--spec-tree", choices=["chain", "fixed", "dynamic"])
-    p.add_argument("--num-blocks", type=int)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--cpu-threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--num-blocks", type=_int_in(1))
+    p.add_argument("--max-num-seqs", type=_int_in(1))
+    p.add_argument("--cpu-threads", type=_int_in(1), help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--cpu-compile", choices=["auto", "off"],
                    help="float32 forwards compiled ahead of time, built once in the background (default: auto)")
 
@@ -55,14 +78,20 @@ def cmd_generate(args) -> int:
 
     from specserve import config as config_mod
 
+    from specserve.errors import ConfigError, InvalidRequestError
+
     prompts = args.prompt or ["def fibonacci(n):"]
+    try:   # checked before anything loads, and named as the flag
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed)
+    except InvalidRequestError as e:
+        flag = f"--{e.param.replace('_', '-')}" if e.param else "a sampling flag"
+        raise ConfigError(f"argument {flag}: {e}") from None
     cfg = _engine_config(args)
     # The prompts run together: no batch is ever larger, so the controller probes no larger one.
     cfg = config_mod.with_overrides(cfg, max_num_seqs=min(cfg.scheduler.max_num_seqs, len(prompts)))
     print(f"target: {cfg.target.path}\ndraft:  {cfg.draft.kind} {cfg.draft.path or ''}", file=sys.stderr)
     llm = LLM(cfg)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, progress=len(prompts) > 1)
     elapsed = time.perf_counter() - start
@@ -70,8 +99,8 @@ def cmd_generate(args) -> int:
     for prompt, out in zip(prompts, outs):
         num_tokens += len(out.token_ids)
         print(f"--- {prompt!r} ({len(out.token_ids)} tokens, {out.finish_reason}, "
-              f"{out.stats.mean_tokens_per_pass:.2f} tokens per target pass)")
-        print(prompt + out.text)
+              f"{out.stats.mean_tokens_per_pass:.2f} tokens per target pass)", file=sys.stderr, flush=True)
+        print(prompt + out.text, flush=True)   # stdout: the text alone
     print(f"--- {num_tokens} tokens in {elapsed:.2f} s ({num_tokens / elapsed:.1f} tokens/s)", file=sys.stderr)
     return 0
 
@@ -98,7 +127,18 @@ def cmd_serve(args) -> int:
 def cmd_calibrate(args) -> int:
     from specserve.engine import LLMEngine
 
+    from specserve import profile
+
     cfg = _engine_config(args)
+    where = profile.cache_dir()
+    try:   # before minutes of measuring, not after
+        where.mkdir(parents=True, exist_ok=True)
+        probe_file = where / f".writable.{os.getpid()}"
+        probe_file.write_text("")
+        probe_file.unlink()
+    except OSError as e:
+        raise SpecserveError(f"cannot write profiles to {where}: {e.strerror or e} "
+                             "(set SPECSERVE_CACHE_DIR to a writable folder)") from None
     cfg.spec.mode = "static"   # the engine's own start-up probe is not wanted: this one is thorough
     from specserve.model import compiled
 
@@ -108,8 +148,6 @@ def cmd_calibrate(args) -> int:
     if spec.drafter is None:
         print("specserve: nothing to calibrate: this setup has no draft ([draft] kind = 'none')", file=sys.stderr)
         return 2
-    from specserve import profile
-
     path = profile.calibrate(engine, spec.buckets(), spec.nodes_at(spec.max_depth()) + 1)
     print(f"profile written to {path}; `specserve serve` with this setup starts from it")
     return 0
@@ -120,21 +158,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"specserve {importlib.metadata.version('specserve')}")
     sub = parser.add_subparsers(dest="command")
 
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (default: the embedded pair)")
+    p = serve_parser = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (default: the embedded pair)")
     _add_engine_args(p)
     p.add_argument("--host")
-    p.add_argument("--port", type=int)
+    p.add_argument("--port", type=_int_in(0, 65535))
     p.add_argument("--served-model-name", help="the model's name in the API, e.g. the Hugging Face id clients "
                    "send (default: the target directory's name; sets [server] served_model_name)")
-    p.add_argument("--shutdown-timeout", type=float, help="seconds SIGTERM waits for requests in flight")
+    p.add_argument("--shutdown-timeout", type=_seconds, help="seconds SIGTERM waits for requests in flight")
     p.add_argument("--admin-api", action="store_true",
                    help="serve GET/POST /admin/speculation, to switch between adaptive and a static depth "
                         "while running (sets [server] admin_api)")
-    p.add_argument("--engines", type=int, help="engine cores behind the server (data parallel; sets [server] engines)")
+    p.add_argument("--engines", type=_int_in(1, 64), help="engine cores behind the server (data parallel; sets [server] engines)")
     p.add_argument("--ray", action="store_true", help="serve on Ray Serve, one engine per replica (pip install -e "
                    "'.[ray]'; the cluster of RAY_ADDRESS, else a local one)")
-    p.add_argument("--replicas", type=int, default=1, help="with --ray: replicas (engines)")
-    p.add_argument("--max-replicas", type=int, help="with --ray: scale up to this many on requests in flight")
+    p.add_argument("--replicas", type=_int_in(1), help="with --ray: replicas (engines; default 1)")
+    p.add_argument("--max-replicas", type=_int_in(1), help="with --ray: scale up to this many on requests in flight")
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine on a thread of the server's process instead of an engine-core process "
                         "(sets [server] engine_process = false)")
@@ -155,6 +193,19 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_generate)
 
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        if args.ray and (args.engines is not None or args.engine_thread):
+            serve_parser.error(f"argument --ray: not allowed with {'--engines' if args.engines is not None else '--engine-thread'}"
+                               " (Ray runs one engine per replica: use --replicas)")
+        if not args.ray and (args.replicas is not None or args.max_replicas is not None):
+            serve_parser.error(f"argument {'--replicas' if args.replicas is not None else '--max-replicas'}: only with --ray")
+        if args.engine_thread and args.engines is not None and args.engines > 1:
+            serve_parser.error(f"argument --engine-thread: not allowed with --engines {args.engines} "
+                               "(each engine core runs in a process of its own)")
+        if args.ray and args.max_replicas is not None and args.max_replicas < (args.replicas or 1):
+            serve_parser.error(f"argument --max-replicas: {args.max_replicas} is below --replicas {args.replicas or 1}")
+        if args.replicas is None:
+            args.replicas = 1
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -8,6 +8,7 @@ and relative paths are taken relative to the config file.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import tomllib
@@ -320,5 +321,7 @@ def with_overrides(cfg: EngineConfig, **overrides: Any) -> EngineConfig:
         else:
             allowed = sorted({*_SHORT_NAMES, "dtype", *_TOP_LEVEL} | {
                 n for n, s in fields_by_name.items() if len(s) == 1})
-            raise ConfigError(f"unknown setting '{name}'; allowed: {', '.join(allowed)} (or section__field)")
+            close = difflib.get_close_matches(name, allowed, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown setting '{name}'{hint}; allowed: {', '.join(allowed)} (or section__field)")
     return from_dict(data, source="settings")

@@ -12,6 +12,18 @@ from specserve.engine import LLMEngine, RequestOutput
 from specserve.sampling import SamplingParams
 
 
+def _prompt(prompt):
+    """A prompt as vLLM's LLM.generate takes it: text, token ids, or {"prompt": text} /
+    {"prompt_token_ids": ids} (TextPrompt / TokensPrompt)."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids'; got the keys {sorted(prompt)}")
+    return prompt
+
+
 class LLM:
     """
     >>> llm = LLM(target="path/to/hf_dir", device="cpu", dtype="float32")
@@ -43,8 +55,10 @@ class LLM:
         progress: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt together (continuous batching); outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, Sequence) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = [_prompt(p) for p in prompts]
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
