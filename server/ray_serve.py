@@ -83,6 +83,7 @@ def _make_router_class():
             self.slack = slack
             self.owner: OrderedDict[int, object] = OrderedDict()   # prefix key -> replica id
             self.inflight: dict[object, int] = {}
+            self.routed: dict[object, object] = {}                 # request id -> replica id, while in flight
             self.choosing: dict[str, tuple[object, float]] = {}    # request id -> (replica id, when chosen)
             self.last_chosen: dict[object, int] = {}
             self.choices = 0
@@ -108,8 +109,8 @@ def _make_router_class():
             chosen = None
             for key in reversed(prefix_keys(prompt_text(path, body))):
                 owner = self.owner.get(key)
-                if owner is not None:
-                    if owner in by_id and load.get(owner, 0) <= least + self.slack:
+                if owner is not None and owner in by_id:   # one no longer a candidate: a shorter prefix's may be
+                    if load.get(owner, 0) <= least + self.slack:
                         chosen = owner
                     break
             if chosen is None:
@@ -121,6 +122,7 @@ def _make_router_class():
 
         def on_request_routed(self, pending_request, replica_id, result):
             self.choosing.pop(_request_id(pending_request), None)
+            self.routed[_request_id(pending_request)] = replica_id
             self.inflight[replica_id] = self.inflight.get(replica_id, 0) + 1
             if pending_request is not None and len(pending_request.args) >= 2:
                 for key in prefix_keys(prompt_text(pending_request.args[0], pending_request.args[1])):
@@ -130,15 +132,32 @@ def _make_router_class():
                     self.owner.popitem(last=False)
 
         def on_request_completed(self, replica_id, internal_request_id):
+            # Ray calls this for a request a replica refused too (never routed there), and after
+            # the replica died: only a request routed to a replica still known stops counting.
             self.choosing.pop(internal_request_id, None)
-            self.inflight[replica_id] = max(0, self.inflight.get(replica_id, 0) - 1)
+            if self.routed.pop(internal_request_id, None) == replica_id and replica_id in self.inflight:
+                self.inflight[replica_id] = max(0, self.inflight[replica_id] - 1)
 
         def on_replica_actor_died(self, replica_id):
             super().on_replica_actor_died(replica_id)
+            self._forget(replica_id)
+
+        def _forget(self, replica_id):
             self.inflight.pop(replica_id, None)
+            self.last_chosen.pop(replica_id, None)
+            self.routed = {rid: r for rid, r in self.routed.items() if r != replica_id}
             self.choosing = {rid: c for rid, c in self.choosing.items() if c[0] != replica_id}
             for key in [k for k, v in self.owner.items() if v == replica_id]:
                 del self.owner[key]
+
+        def update_replicas(self, replicas):
+            """The controller's replicas changed (scaled down, replaced): forget those gone."""
+            super().update_replicas(replicas)
+            if not hasattr(self, "owner"):   # before initialize_state
+                return
+            live = {r.replica_id for r in replicas}
+            for gone in (set(self.inflight) | set(self.last_chosen) | set(self.owner.values())) - live:
+                self._forget(gone)
 
     return PrefixAffinityRouter
 
@@ -174,11 +193,12 @@ class EngineReplica:
         self.name = serve.get_replica_context().replica_id.unique_id
         logger.info("replica %s serves on port %d", self.name, self.port)
 
-    async def __call__(self, path: str, body: bytes, method: str = "POST"):
-        """Yields (status, headers, replica) first, then the response body as written."""
+    async def __call__(self, path: str, body: bytes, method: str = "POST", headers: dict | None = None):
+        """Yields (status, headers, replica) first, then the response body as written. `headers`:
+        the client's request headers the server reads (_FORWARDED_IN)."""
         url = f"http://127.0.0.1:{self.port}{path}"
         async with self.http.request(method, url, data=body or None,
-                                        headers={"Content-Type": "application/json"}) as resp:
+                                        headers={"Content-Type": "application/json", **(headers or {})}) as resp:
             yield resp.status, {k: v for k in _FORWARDED if (v := resp.headers.get(k)) is not None}, self.name
             async for chunk in resp.content.iter_any():
                 yield chunk
@@ -190,7 +210,11 @@ class EngineReplica:
 
 
 # The replica's response headers a client reads (the rest are the connection's own).
-_FORWARDED = ("Content-Type", "Cache-Control", "Retry-After", "WWW-Authenticate", "Allow")
+_FORWARDED = ("Content-Type", "Cache-Control", "Retry-After", "WWW-Authenticate", "Allow",
+              "Access-Control-Allow-Origin", "Vary", "Access-Control-Allow-Methods",
+              "Access-Control-Allow-Headers", "Access-Control-Max-Age")
+# The client's request headers a specserve server reads (the key is checked at the ingress).
+_FORWARDED_IN = ("X-Request-Id", "Origin", "Access-Control-Request-Method", "Access-Control-Request-Headers")
 
 
 def _error(message: str, code: str, type: str = "service_unavailable") -> dict:
@@ -219,11 +243,13 @@ class Ingress:
         root = request.scope.get("root_path", "")   # the application's route prefix
         if root and path.startswith(root):
             path = path[len(root):] or "/"
-        if (why := api_key_refusal(path, request.headers.get("authorization"), self.api_key)) is not None:
+        if request.method != "OPTIONS" and (  # a CORS preflight carries no key (as create_app's _auth)
+                why := api_key_refusal(path, request.headers.get("authorization"), self.api_key)) is not None:
             return JSONResponse(_error(why, "invalid_api_key", "invalid_request_error"), status_code=401,
                                 headers={"WWW-Authenticate": "Bearer"})
         body = await request.body()
-        stream = self.engine.options(stream=True).remote(path, body, request.method)
+        forwarded = {k: v for k in _FORWARDED_IN if (v := request.headers.get(k)) is not None}
+        stream = self.engine.options(stream=True).remote(path, body, request.method, forwarded)
         self.streams.add(stream)
         try:
             status, headers, replica = await stream.__anext__()

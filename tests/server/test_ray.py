@@ -155,7 +155,7 @@ def test_the_router_prefers_the_prefix_owner_unless_it_is_much_busier():
         router.on_request_routed(other, "b", None)
     assert choose(request(shared + "three")) == [[a], [a, b]], "b has 3 in flight, a none: more than slack 2"
     router.choosing.clear()
-    router.on_request_completed("b", "x")
+    router.on_request_completed("b", other.metadata.internal_request_id)
     assert choose(request(shared + "four")) == [[b], [a, b]]
 
 
@@ -174,7 +174,7 @@ def test_the_ingress_asks_for_the_api_key_before_a_replica_sees_the_request():
         def options(self, stream):
             return self
 
-        def remote(self, path, body, method):
+        def remote(self, path, body, method, headers=None):
             reached.append(path)
 
             async def answer():
