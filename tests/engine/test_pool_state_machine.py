@@ -547,6 +547,6 @@ class PoolAndScheduler(RuleBasedStateMachine):
 
 
 PoolAndScheduler.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+    max_examples=120, stateful_step_count=40, deadline=None, derandomize=True, database=None,
     suppress_health_check=list(HealthCheck))
 test_pool_and_scheduler = PoolAndScheduler.TestCase
