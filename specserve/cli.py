@@ -20,7 +20,8 @@ def _int_in(low: int, high: int | None = None):
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
         if value < low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be an integer {'in [%d, %d]' % (low, high) if high is not None else '>= %d' % low}, got {value}")
+            bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {value}")
         return value
     return parse
 
@@ -168,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--admin-api", action="store_true",
                    help="serve GET/POST /admin/speculation, to switch between adaptive and a static depth "
                         "while running (sets [server] admin_api)")
-    p.add_argument("--engines", type=_int_in(1, 64), help="engine cores behind the server (data parallel; sets [server] engines)")
+    p.add_argument("--engines", type=_int_in(1, 64),
+                   help="engine cores behind the server (data parallel; sets [server] engines)")
     p.add_argument("--ray", action="store_true", help="serve on Ray Serve, one engine per replica (pip install -e "
                    "'.[ray]'; the cluster of RAY_ADDRESS, else a local one)")
     p.add_argument("--replicas", type=_int_in(1), help="with --ray: replicas (engines; default 1)")
@@ -195,10 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "serve":
         if args.ray and (args.engines is not None or args.engine_thread):
-            serve_parser.error(f"argument --ray: not allowed with {'--engines' if args.engines is not None else '--engine-thread'}"
-                               " (Ray runs one engine per replica: use --replicas)")
+            other = "--engines" if args.engines is not None else "--engine-thread"
+            serve_parser.error(f"argument --ray: not allowed with {other} (Ray runs one engine per replica: use "
+                               "--replicas)")
         if not args.ray and (args.replicas is not None or args.max_replicas is not None):
-            serve_parser.error(f"argument {'--replicas' if args.replicas is not None else '--max-replicas'}: only with --ray")
+            flag = "--replicas" if args.replicas is not None else "--max-replicas"
+            serve_parser.error(f"argument {flag}: only with --ray")
         if args.engine_thread and args.engines is not None and args.engines > 1:
             serve_parser.error(f"argument --engine-thread: not allowed with --engines {args.engines} "
                                "(each engine core runs in a process of its own)")
