@@ -293,6 +293,9 @@ _TOP_LEVEL = ("device", "seed", "cuda_graphs")
 def with_overrides(cfg: EngineConfig, **overrides: Any) -> EngineConfig:
     """Apply keyword overrides: a short name above, `dtype` (both models), any field name that is
     unique across sections (`block_size`, `max_num_seqs`, ...), or `section__field`."""
+    draft, kind = overrides.get("draft"), overrides.get("draft_kind")
+    if draft is not None and kind is not None and kind != (draft if draft in ("ngram", "none") else "model"):
+        raise ConfigError(f"the draft {str(draft)!r} and the draft kind {kind!r} disagree: give one of them")
     data = msgspec.to_builtins(cfg)
     fields_by_name: dict[str, list[str]] = {}
     for section in ("target", "draft", "spec", "cache", "scheduler", "server", "cpu"):

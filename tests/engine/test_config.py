@@ -188,3 +188,17 @@ def test_a_static_depth_past_the_deepest_names_the_flag(capsys):
 
     assert cli.main(["generate", "--prompt", "x", "--spec-depth", "99"]) != 0
     assert "--spec-depth 99 is too deep: at most 16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("draft,kind", [("some/dir", "ngram"), ("some/dir", "none"), ("ngram", "model"),
+                                        ("none", "ngram")])
+def test_a_draft_and_a_kind_that_disagree_are_refused(draft, kind):
+    """`--draft PATH --draft-kind ngram` (or LLM(draft=..., draft_kind=...)) names both; agreeing
+    pairs pass."""
+    with pytest.raises(ConfigError, match=f"draft .*{draft}.* kind '{kind}' disagree"):
+        C.with_overrides(C.default(), draft=draft, draft_kind=kind)
+
+
+def test_a_draft_and_a_kind_that_agree_pass():
+    assert C.with_overrides(C.default(), draft="ngram", draft_kind="ngram").draft.kind == "ngram"
+    assert C.with_overrides(C.default(), draft="some/dir", draft_kind="model").draft.kind == "model"
