@@ -4,9 +4,11 @@ with the official synchronous `openai` client (or raw aiohttp) from the test thr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -175,6 +177,31 @@ def concurrently(fn, count: int, timeout: float = 300.0) -> list:
 
     with ThreadPoolExecutor(max_workers=count) as pool:
         return list(pool.map(fn, range(count), timeout=timeout))
+
+
+@contextlib.contextmanager
+def ray_deployment(cfg, num_cpus: int, **build_kwargs):
+    """(base URL, the ingress handle) of specserve on Ray Serve on a local Ray cluster of
+    `num_cpus`, at the route prefix "/"; Serve and Ray are shut down after."""
+    import msgspec
+    import ray
+    from ray import serve
+
+    from specserve.server.ray_serve import build_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        ingress = serve.run(build_app(msgspec.to_builtins(cfg), **build_kwargs), name="specserve", route_prefix="/")
+        yield f"http://127.0.0.1:{port}", ingress
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
 
 
 def wait_until(predicate, timeout: float = 10.0, interval: float = 0.02) -> bool:

@@ -23,7 +23,7 @@ pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]'
 from specserve.engine import LLMEngine  # noqa: E402
 from specserve.llm import LLM  # noqa: E402
 from specserve.sampling import SamplingParams  # noqa: E402
-from tests.server.conftest import ServerThread, concurrently, engine_config, wait_until  # noqa: E402
+from tests.server.conftest import ServerThread, concurrently, engine_config, ray_deployment, wait_until  # noqa: E402
 
 PROMPTS = [f"Story {i}: once upon a time" for i in range(32)]
 
@@ -35,21 +35,8 @@ def cfg(server_target, server_draft):
 
 @pytest.fixture(scope="module")
 def ray_base(cfg):
-    import ray
-    from ray import serve
-
-    from specserve.server.ray_serve import build_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(msgspec.to_builtins(cfg), replicas=2), name="specserve", route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
-    yield base
-    serve.shutdown()
-    ray.shutdown()
+    with ray_deployment(cfg, num_cpus=4, replicas=2) as (base, _):
+        yield base
 
 
 def stream(base: str, prompt: str, max_tokens: int = 16, **extra) -> tuple[str, list[str]]:

@@ -17,14 +17,13 @@ import socket
 import threading
 import time
 
-import msgspec
 import pytest
 
 pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]'); CI installs it")
 
 from specserve.engine import LLMEngine  # noqa: E402
 from specserve.server import protocol  # noqa: E402
-from tests.server.conftest import ServerThread, engine_config, wait_until  # noqa: E402
+from tests.server.conftest import ServerThread, engine_config, ray_deployment, wait_until  # noqa: E402
 
 KEY = "s3cret"
 ORIGIN = "http://page.example"
@@ -48,25 +47,8 @@ def single(cfg):
 @pytest.fixture(scope="module")
 def ray_app(cfg):
     """(base URL, the ingress handle) of one deployment of two replicas on a local Ray."""
-    import ray
-    from ray import serve
-
-    from specserve.server.ray_serve import build_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        ingress = serve.run(build_app(msgspec.to_builtins(cfg), replicas=2, cpus_per_replica=0.5),
-                            name="specserve", route_prefix="/")
-        yield f"http://127.0.0.1:{port}", ingress
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
+    with ray_deployment(cfg, num_cpus=2, replicas=2, cpus_per_replica=0.5) as app:
+        yield app
 
 
 @pytest.fixture(scope="module")
