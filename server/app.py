@@ -527,15 +527,31 @@ def _cut_off(transport, seconds: float) -> None:
 
 async def _send(request: web.Request, write) -> None:
     """Await one write of a response (the coroutine `write`). A write waits only while the
-    socket's buffers are full, i.e. while the client takes nothing; one that waits [server]
-    idle_timeout_s aborts the connection, which cancels the handler and with it the client's
-    requests, instead of holding the connection, and the output queued for it, for ever."""
+    transport's buffer is over its high-water mark, and the buffer shrinks whenever the client
+    takes bytes. A client that takes none for [server] idle_timeout_s (checked every quarter of
+    it) has its connection aborted, which cancels the handler and with it the client's requests,
+    instead of holding the connection, and the output queued for it, for ever. A client that
+    reads slowly is never cut off, however long the whole response takes."""
     transport = request.transport
     if transport is None or transport.is_closing():
         write.close()
         raise ConnectionResetError("the client went away")
     seconds = request.app[STATE].cfg.server.idle_timeout_s
-    timer = asyncio.get_running_loop().call_later(seconds, _cut_off, transport, seconds)
+    tick = seconds / 4
+    loop = asyncio.get_running_loop()
+    last, quiet = transport.get_write_buffer_size(), 0.0
+
+    def check() -> None:
+        nonlocal last, quiet, timer
+        size = transport.get_write_buffer_size()
+        quiet = 0.0 if size < last else quiet + tick
+        last = size
+        if quiet >= seconds:
+            _cut_off(transport, seconds)
+        else:
+            timer = loop.call_later(tick, check)
+
+    timer = loop.call_later(tick, check)
     try:
         await write
     finally:
