@@ -185,27 +185,29 @@ class ModelRunner:
             torch.set_num_threads(restore)
 
     def _forward(self, inp: ForwardInput) -> torch.Tensor | None:
-        logit_rows = None
+        logit_rows = logits = None
         if self.graphs is not None and self.graphs.eligible(inp):
             hidden = self.graphs.forward(inp)
-        elif self.compiled is not None and (hidden := self._compiled_forward(inp)) is not None:
-            pass
+        elif self.compiled is not None and (out := self._compiled_forward(inp)) is not None:
+            hidden, logits = out   # logits of every row where the program ran the LM head
         else:
             input_ids, positions, meta, logit_rows = self.prepare(inp)
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         rows = inp.logit_rows
         if not rows:
             return None
+        rows_of = hidden if logits is None else logits
         if rows == list(range(rows[0], rows[0] + len(rows))):  # a run of rows (decode, verify, chain draft)
-            hidden = hidden[rows[0] : rows[0] + len(rows)]
+            rows_of = rows_of[rows[0] : rows[0] + len(rows)]
         else:
             if logit_rows is None:
                 logit_rows = torch.tensor(rows, dtype=torch.int64).to(hidden.device, non_blocking=True)
-            hidden = hidden.index_select(0, logit_rows)
-        return self.model.compute_logits(hidden)
+            rows_of = rows_of.index_select(0, logit_rows)
+        return self.model.compute_logits(rows_of) if logits is None else rows_of
 
-    def _compiled_forward(self, inp: ForwardInput) -> torch.Tensor | None:
-        """The hidden rows of `inp`, in its order, from the compiled forward; None (run it eagerly)
+    def _compiled_forward(self, inp: ForwardInput) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The hidden rows of `inp`, in its order, from the compiled forward, and their logits where
+        the program computed them (else None); None (run it eagerly)
         when padding every sequence to the most rows would more than double the rows (a prompt
         chunk beside decode rows), or when its [B, q * heads per KV head, keys] visibility mask
         would pass 32 MiB (long chunks at long contexts, which the eager path's attention takes
@@ -244,12 +246,16 @@ class ModelRunner:
                 else:
                     mask[b, :n, :n] = m if isinstance(m, torch.Tensor) else torch.tensor(m, dtype=torch.bool)
         k_pool, v_pool = self.kv_pool
-        hidden, k_new, v_new = self.compiled(ids_t.view(B, q), pos_t.view(B, q), k_pool, v_pool,
-                                             tables_t.view(B, W), ctx_t, mask)
+        hidden, k_new, v_new, *logits = self.compiled(ids_t.view(B, q), pos_t.view(B, q), k_pool, v_pool,
+                                                      tables_t.view(B, W), ctx_t, mask)
         L, NB, BS, Hkv, D = k_pool.shape
         if not uniform or min(slots) < 0:
             keep = (slots_t >= 0).nonzero().squeeze(1)
             slots_t, k_new, v_new = slots_t[keep], k_new[:, keep], v_new[:, keep]
         k_pool.view(L, NB * BS, Hkv, D).index_copy_(1, slots_t, k_new)
         v_pool.view(L, NB * BS, Hkv, D).index_copy_(1, slots_t, v_new)
-        return hidden if uniform else hidden[torch.tensor(real)]
+        logits = logits[0] if logits else None
+        if not uniform:
+            real = torch.tensor(real)
+            hidden, logits = hidden[real], None if logits is None else logits[real]
+        return hidden, logits

@@ -5,12 +5,18 @@ microseconds, around a few dozen matrix products: the host work, not the arithme
 weights' bytes, sets its speed. `dense_forward` is the whole forward (every layer, attention
 included) written as one traceable function of plain tensors; torch.export traces it with the
 batch, the rows per sequence, the blocks per sequence and the pool size symbolic, and
-AOTInductor compiles it into C++ (matmuls through the BLAS, the norms and RoPE as fused loops)
-behind one call. A package holds two programs that differ only in their attention: "decode",
-for at most DECODE_ROWS rows a sequence (a decode step, a draft level), computes it as fused
-sums that read the context's keys and values where the pool holds them; "model", for any rows,
-gathers them and calls torch's CPU flash attention. Neither holds the weights: the loader
-hands both the model's own tensors, stored column-major (`column_major`). Loading takes
+AOTInductor compiles it into C++ (the norms and RoPE as fused loops) behind one call. A package
+holds three programs that differ in their attention and their matmuls:
+
+- "few", for at most FEW_ROWS rows in all (a decode step or a verify at low batch, a draft
+  level): every matmul a sum of products that streams its weight once at the memory's speed,
+  where a BLAS call for so few rows runs at a fraction of it (`_sum_linear`); the attention as
+  fused sums that read the context's keys and values where the pool holds them;
+- "decode", for at most DECODE_ROWS rows a sequence at any batch: the BLAS's matmuls, the same
+  fused attention;
+- "model", for any rows: the BLAS's matmuls, the context gathered for torch's CPU flash attention.
+
+None holds the weights: the loader hands each the model's own tensors. Loading takes
 milliseconds; building takes a minute or three, so a package is built once per model shape,
 torch, CPU and version of this code, in a process of its own at low priority, into the user's
 cache directory (`specserve calibrate` builds it ahead), and the engine takes it up when it
@@ -46,8 +52,10 @@ from specserve.model.llama import CausalLM, apply_rope, rope_full_tables
 
 logger = logging.getLogger("specserve")
 
-FORMAT = 3   # bump when the call's signature or layout changes (the weights' strides included)
-DECODE_ROWS = 2   # forwards of at most this many rows a sequence take the "decode" program
+FORMAT = 4   # bump when the call's signature or layout changes (the weights' strides included)
+FEW_ROWS = 4   # forwards of at most this many rows in all take the "few" program
+DECODE_ROWS = 2   # other forwards of at most this many rows a sequence take the "decode" program
+PROGRAMS = ("few", "decode", "model")
 _SOURCES = ("compiled.py", "llama.py")   # the code a package is compiled from
 _STALE_LOCK_S = 1800.0   # a build lock older than this belongs to a build that died
 
@@ -61,8 +69,8 @@ def dense_forward(
     tables: torch.Tensor,  # [B, W] int64: block ids of each sequence's context (any id past it)
     ctx_lens: torch.Tensor,  # [B] int64: cached keys each sequence's new rows see
     mask: torch.Tensor,  # [B, q, q] bool: new row t sees new row j
-    direct: bool = False,  # attention as fused sums (few rows a sequence), else flash attention
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # hidden [B*q, H]; new K, V [L, B*q, Hkv, D]
+    program: str = "model",  # one of PROGRAMS: which matmuls and attention (the module docstring)
+) -> tuple[torch.Tensor, ...]:  # hidden [B*q, H]; new K, V [L, B*q, Hkv, D]; "few": logits [B*q, V]
     args = model.args
     B, q = input_ids.shape
     Hq, Hkv, D = args.num_heads, args.num_kv_heads, args.head_dim
@@ -71,11 +79,12 @@ def dense_forward(
     cos, sin = rope_full_tables(model.rope_cos[positions.reshape(-1)], model.rope_sin[positions.reshape(-1)], x.dtype)
     in_context = torch.arange(S, device=x.device)[None, :] < ctx_lens[:, None]  # [B, S]
     visible = torch.cat([in_context[:, None, :].expand(B, q, S), mask], dim=2)  # [B, q, S + q]
-    attention = _direct_attention if direct else _flash_attention
+    attention = _flash_attention if program == "model" else _direct_attention
+    linear = _sum_linear if program == "few" else F.linear
     keys, values = [], []
     for layer_index, layer in enumerate(model.layers):
         attn, ffn = layer.attention, layer.feed_forward
-        qkv = F.linear(layer.attention_norm.forward(x), attn.wqkv.weight, attn.wqkv.bias)
+        qkv = linear(layer.attention_norm.forward(x), attn.wqkv.weight, attn.wqkv.bias)
         qh, kh, vh = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
         qh, kh, vh = qh.reshape(-1, Hq, D), kh.reshape(-1, Hkv, D), vh.reshape(-1, Hkv, D)
         if attn.q_norm is not None:
@@ -87,10 +96,13 @@ def dense_forward(
         out = attention(qh.reshape(B, q, Hkv, Hq // Hkv, D), kh.reshape(B, q, Hkv, D), vh.reshape(B, q, Hkv, D),
                         k_pool[layer_index][tables].reshape(B, S, Hkv, D),
                         v_pool[layer_index][tables].reshape(B, S, Hkv, D), visible, attn.scale)
-        h = x + F.linear(out.reshape(B * q, Hq * D), attn.wo.weight)
-        gate, up = F.linear(layer.ffn_norm.forward(h), ffn.w13.weight).chunk(2, dim=-1)
-        x = h + F.linear(F.silu(gate) * up, ffn.w2.weight)
-    return model.norm.forward(x), torch.stack(keys), torch.stack(values)
+        h = x + linear(out.reshape(B * q, Hq * D), attn.wo.weight)
+        gate, up = linear(layer.ffn_norm.forward(h), ffn.w13.weight).chunk(2, dim=-1)
+        x = h + linear(F.silu(gate) * up, ffn.w2.weight)
+    hidden = model.norm.forward(x)
+    if program == "few":   # the LM head too: every row of so few is a decode row or a draft's or a verify's
+        return hidden, torch.stack(keys), torch.stack(values), _sum_linear(hidden, model.output.weight)
+    return hidden, torch.stack(keys), torch.stack(values)
 
 
 def _flash_attention(qh, kh, vh, k_ctx, v_ctx, visible, scale):
@@ -124,31 +136,29 @@ def _direct_attention(qh, kh, vh, k_ctx, v_ctx, visible, scale):
     return (p[:, :, :S] * v_ctx[:, None, :, :, None, :]).sum(2) + (p[:, :, S:] * vh[:, None, :, :, None, :]).sum(2)
 
 
-def column_major(model: CausalLM) -> None:
-    """Store every weight a row is multiplied by (wqkv, wo, w13 and w2 of every layer, and the
-    LM head) column-major: the same values in an [in, out] layout, so that x @ W^T reads W^T as
-    one contiguous matrix. The BLAS streams that layout faster for few rows than the [out, in]
-    one (benchmarks/RESULTS.md, CPU path notes), and F.linear takes either. A head tied to the
-    embedding stays tied: the embedding's rows are then strided, which only a lookup reads. A
-    program assumes the strides it was compiled with: build and load both call this first."""
-    linears = [lin for layer in model.layers for lin in (layer.attention.wqkv, layer.attention.wo,
-                                                        layer.feed_forward.w13, layer.feed_forward.w2)]
-    for lin in linears + [model.output]:
-        if not lin.weight.t().is_contiguous():
-            tied = lin is model.output and lin.weight is model.tok_embeddings.weight
-            lin.weight = torch.nn.Parameter(lin.weight.detach().t().contiguous().t(), requires_grad=False)
-            if tied:
-                model.tok_embeddings.weight = lin.weight
+def _sum_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (x [T, in], weight [out, in] row-major) as sums of products over `in`, for few
+    rows T. The weight's rows are cut into up to 32 equal slices, the outermost loop, which the
+    compiler shares among the threads; within a slice each row of x meets each weight row in one
+    vectorised loop over `in`. A thread then streams its slice from memory once, and rereads it
+    from its own cache for the other rows of x: for one row that runs near the memory's speed,
+    where a BLAS call tuned for many rows runs at a fraction of it. Without a BLAS's register
+    blocking its work grows with T, so it loses as the rows grow (FEW_ROWS bounds them)."""
+    out, k = weight.shape
+    parts = next(p for p in (32, 16, 8, 4, 2, 1) if out % p == 0)
+    y = (weight.view(parts, 1, out // parts, k) * x.view(1, -1, 1, k)).sum(-1)   # [parts, T, out / parts]
+    y = y.permute(1, 0, 2).reshape(-1, out)
+    return y if bias is None else y + bias
 
 
 class _Traced(torch.nn.Module):
-    def __init__(self, model: CausalLM, direct: bool = False):
+    def __init__(self, model: CausalLM, program: str = "model"):
         super().__init__()
         self.model = model
-        self.direct = direct
+        self.program = program
 
     def forward(self, input_ids, positions, k_pool, v_pool, tables, ctx_lens, mask):
-        return dense_forward(self.model, input_ids, positions, k_pool, v_pool, tables, ctx_lens, mask, self.direct)
+        return dense_forward(self.model, input_ids, positions, k_pool, v_pool, tables, ctx_lens, mask, self.program)
 
 
 def supported(model: CausalLM) -> bool:
@@ -170,25 +180,25 @@ def example_inputs(model: CausalLM, block_size: int, q: int = 3) -> tuple[torch.
 
 def build(model: CausalLM, block_size: int, out: Path) -> Path:
     """Export and compile `dense_forward` for `model` into the package `out` (written whole or
-    not at all): a "model" program for any rows, with flash attention, and a "decode" program
-    for at most DECODE_ROWS rows a sequence, with direct attention. Neither holds the weights:
-    the loader hands them the model's own tensors (`load`), which this lays out column-major."""
+    not at all), one program of PROGRAMS each. None holds the weights: the loader hands them the
+    model's own tensors (`load`)."""
     from torch._inductor import aot_compile
     from torch._inductor.package import package_aoti
     from torch.export import Dim, export
 
-    column_major(model)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
     options = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False}
+    limits = {"few": (FEW_ROWS, FEW_ROWS), "decode": (1 << 14, DECODE_ROWS), "model": (1 << 14, 1 << 14)}
     files = {}
-    for name, max_rows in (("model", 1 << 14), ("decode", DECODE_ROWS)):
-        B, q = Dim("batch", min=1, max=1 << 14), Dim("rows", min=1, max=max_rows)
+    for name in PROGRAMS:
+        max_batch, max_rows = limits[name]
+        B, q = Dim("batch", min=1, max=max_batch), Dim("rows", min=1, max=max_rows)
         W, NB = Dim("blocks", min=1, max=1 << 20), Dim("pool_blocks", min=1, max=1 << 24)
         shapes = ({0: B, 1: q}, {0: B, 1: q}, {1: NB}, {1: NB}, {0: B, 1: W}, {0: B}, {0: B, 1: q, 2: q})
         with torch.inference_mode():
-            program = export(_Traced(model, direct=name == "decode").eval(),
-                             example_inputs(model, block_size, min(3, max_rows)), dynamic_shapes=shapes)
+            program = export(_Traced(model, name).eval(), example_inputs(model, block_size, min(3, max_rows)),
+                             dynamic_shapes=shapes)
         args, kwargs = program.example_inputs
         files[name] = aot_compile(program.module(check_guards=False), args, kwargs, options=options)
     package_aoti(str(tmp), files)
@@ -243,26 +253,28 @@ def package_path(model: CausalLM, block_size: int) -> Path:
 
 class CompiledForward:
     """dense_forward's signature, run by the package's C++ runners on the flat list of tensors:
-    the "decode" program for at most DECODE_ROWS rows a sequence, else the "model" one. Both
-    read `model`'s own parameters and buffers (no copy). The runners are made directly: torch's
-    Python wrapper (aoti_load_package) imports the compiler stack (seconds at every start) and
-    parses the package's input and output tree specs from JSON at every call (a visible share
-    of a decode step)."""
+    the "few" program for at most FEW_ROWS rows in all, else the "decode" one for at most
+    DECODE_ROWS rows a sequence, else the "model" one. Each reads `model`'s own parameters and
+    buffers (no copy). The runners are made directly: torch's Python wrapper (aoti_load_package)
+    imports the compiler stack (seconds at every start) and parses the package's input and
+    output tree specs from JSON at every call (a visible share of a decode step)."""
 
     def __init__(self, path: Path, model: CausalLM):
         # program name -> its runner, kept as long as this (a file that is no package fails here)
         self._loaders = {name: torch._C._aoti.AOTIModelPackageLoader(str(path), name, False, 1, -1)
-                         for name in ("model", "decode")}
-        column_major(model)
+                         for name in PROGRAMS}
         traced = _Traced(model)
         weights = dict(traced.named_parameters(remove_duplicate=False)) | dict(
             traced.named_buffers(remove_duplicate=False))
+        if bad := [name for name, w in weights.items() if not w.is_contiguous()]:   # the programs' layout
+            raise ValueError(f"{bad[0]} is not contiguous")
         for loader in self._loaders.values():
             loader.load_constants({f: weights[f].detach() for f in loader.get_constant_fqns()}, False, True, True)
-        self._run, self._decode = self._loaders["model"].boxed_run, self._loaders["decode"].boxed_run
+        self._few, self._decode, self._run = (self._loaders[name].boxed_run for name in PROGRAMS)
 
     def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        run = self._decode if tensors[0].shape[1] <= DECODE_ROWS else self._run
+        B, q = tensors[0].shape
+        run = self._few if B * q <= FEW_ROWS else self._decode if q <= DECODE_ROWS else self._run
         return run(list(tensors))
 
 

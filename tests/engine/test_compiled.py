@@ -65,6 +65,9 @@ def layout(kind: str, rng: random.Random) -> ForwardInput:
     """Sequences on disjoint blocks: (context, new rows, tree mask or None) per sequence."""
     seqs = {
         "decode": [(9, 1, None)],
+        "short chain": [(13, 4, None)],
+        "short tree": [(10, 3, [[1, 0, 0], [1, 1, 0], [1, 0, 1]])],
+        "padded few": [(5, 2, None), (9, 1, None)],
         "chain": [(13, 6, None)],
         "batch": [(5, 1, None), (17, 1, None), (0, 1, None)],
         "mixed": [(7, 4, None), (3, 1, None), (20, 2, None)],
@@ -85,15 +88,26 @@ def layout(kind: str, rng: random.Random) -> ForwardInput:
     return inp
 
 
-@pytest.mark.parametrize("kind", ["decode", "chain", "batch", "mixed", "prompt", "tree", "small tree", "two rows"])
-def test_same_logits_and_kv_as_eager(package, kind):
-    """Up to DECODE_ROWS rows a sequence (decode, batch, two rows) the package's
-    direct-attention program runs, above it the flash-attention one: both equal eager."""
+PROGRAM_OF = {"decode": "few", "short chain": "few", "short tree": "few", "padded few": "few", "batch": "few",
+              "two rows": "decode", "chain": "model", "mixed": "model", "prompt": "model", "tree": "model",
+              "small tree": "model"}
+
+
+@pytest.mark.parametrize("kind", PROGRAM_OF)
+def test_same_logits_and_kv_as_eager(package, kind, monkeypatch):
+    """Each program equals eager: "few" (at most FEW_ROWS rows in all, the LM head inside),
+    "decode" (at most DECODE_ROWS rows a sequence), "model" (any rows)."""
     eager, fast = runners(*package)
     inp = layout(kind, random.Random(kind))
+    ran = []
+    for name in compiled.PROGRAMS:
+        loader = fast.compiled._loaders[name]
+        monkeypatch.setattr(fast.compiled, {"few": "_few", "decode": "_decode", "model": "_run"}[name],
+                            lambda tensors, run=loader.boxed_run, name=name: ran.append(name) or run(tensors))
     want = eager.forward(inp)
     got = fast.forward(inp)
     assert got.shape == want.shape
+    assert ran == [PROGRAM_OF[kind]]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     for (ke, ve), (kf, vf) in zip(eager.kv_caches, fast.kv_caches):
@@ -104,9 +118,6 @@ def test_same_logits_and_kv_as_eager(package, kind):
 def test_padding_past_the_bound_runs_eagerly(package):
     """A long prompt chunk beside decode rows would be padded to many times its rows: eager."""
     _, fast = runners(*package)
-    w2, head = fast.model.layers[0].feed_forward.w2.weight, fast.model.output.weight
-    assert w2.t().is_contiguous() and not w2.is_contiguous()   # laid out column-major by load()
-    assert head.t().is_contiguous() and head is fast.model.tok_embeddings.weight   # still tied
     inp = ForwardInput()
     inp.add(list(range(5, 25)), list(range(20)), slots_for([0, 1, 2, 3, 4], BLOCK, 0, 20), [0, 1, 2, 3, 4], 20)
     for b in range(3):
@@ -231,22 +242,25 @@ def test_unusable_package_is_ignored(tmp_path, package):
     assert compiled.load(bad, model) is None
 
 
-@pytest.mark.parametrize("rows", [1, compiled.DECODE_ROWS + 1])
-def test_the_programs_read_the_models_own_weights(package, rows):
-    """The package holds no weights: both programs read the model's tensors, so a change to
+@pytest.mark.parametrize("program,seqs,rows", [("few", 1, 1), ("decode", 5, 1), ("model", 1, 5)])
+def test_the_programs_read_the_models_own_weights(package, program, seqs, rows):
+    """The package holds no weights: each program reads the model's tensors, so a change to
     one shows in the next call."""
     _, fast = runners(*package)
-    w2, head = fast.model.layers[0].feed_forward.w2.weight, fast.model.output.weight
-    assert w2.t().is_contiguous() and not w2.is_contiguous()   # laid out column-major by load()
-    assert head.t().is_contiguous() and head is fast.model.tok_embeddings.weight   # still tied
     inp = ForwardInput()
-    inp.add(list(range(5, 5 + rows)), list(range(rows)), slots_for([0, 1], BLOCK, 0, rows), [0, 1], rows,
-            logit_rows=list(range(rows)))
+    for b in range(seqs):
+        table = [2 * b, 2 * b + 1]
+        inp.add(list(range(5, 5 + rows)), list(range(rows)), slots_for(table, BLOCK, 0, rows), table, rows,
+                logit_rows=list(range(rows)))
+    ran = []
+    attr = {"few": "_few", "decode": "_decode", "model": "_run"}[program]
+    run = getattr(fast.compiled, attr)
+    setattr(fast.compiled, attr, lambda tensors: ran.append(program) or run(tensors))
     before = fast.forward(inp)
     with torch.no_grad():
         fast.model.layers[0].feed_forward.w2.weight.mul_(0.0)
     after = fast.forward(inp)
-    assert not torch.allclose(before, after)
+    assert ran == [program, program] and not torch.allclose(before, after)
 
 
 def test_the_package_key_follows_the_models_shape_not_its_weights(tmp_path):
@@ -260,17 +274,10 @@ def test_the_package_key_follows_the_models_shape_not_its_weights(tmp_path):
     assert compiled.package_path(ma, 16) != compiled.package_path(ma, 32)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_column_major_keeps_the_values_and_the_tie(tmp_path, tied):
-    ckpt = make_checkpoint(tmp_path / "m", num_hidden_layers=1, with_tokenizer=False, tie_word_embeddings=tied)
-    model, _ = load_model(ckpt, dtype="float32", progress=False)
-    ids = torch.tensor([[3, 50, 7]])
-    before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    want = model.compute_logits(model.tok_embeddings(ids[0]))
-    compiled.column_major(model)
-    after = dict(model.named_parameters())
-    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
-    for lin in (model.layers[0].attention.wqkv, model.layers[0].feed_forward.w2, model.output):
-        assert lin.weight.t().is_contiguous() and not lin.weight.is_contiguous()
-    assert (model.output.weight is model.tok_embeddings.weight) == tied
-    torch.testing.assert_close(model.compute_logits(model.tok_embeddings(ids[0])), want)
+def test_a_weight_in_another_layout_is_refused(package):
+    """The programs read each weight in the row-major layout they were compiled for: a model
+    whose weight is laid out otherwise runs eagerly."""
+    model, _ = load_model(package[0], dtype="float32", progress=False)
+    w2 = model.layers[0].feed_forward.w2
+    w2.weight = torch.nn.Parameter(w2.weight.detach().t().contiguous().t(), requires_grad=False)
+    assert compiled.load(package[1], model) is None
