@@ -217,7 +217,7 @@ class LLMEngine:
         for name, runner, package, checkpoint in self._building:
             proc = compiled.build_in_background(checkpoint, "float32", self.pool.block_size, package)
             if proc is not None:
-                logger.info("%s: building its compiled forward in the background (two or three minutes, once; "
+                logger.info("%s: building its compiled forward in the background (a few minutes, once; "
                             "log: %s); eager until then", name, package.with_suffix(".log"))
             else:   # another process builds it (its lock), or builds are off
                 logger.info("%s: eager until its compiled forward appears at %s", name, package)

@@ -137,7 +137,8 @@ class ModelRunner:
         longs = torch.tensor(
             inp.input_ids + inp.positions + inp.slot_mapping + inp.logit_rows, dtype=torch.int64, device=self.device
         )
-        input_ids, positions, slot_mapping, logit_rows = longs.split_with_sizes([num_rows, num_rows, num_rows, len(inp.logit_rows)])
+        input_ids, positions, slot_mapping, logit_rows = longs.split_with_sizes(
+            [num_rows, num_rows, num_rows, len(inp.logit_rows)])
         cu = list(accumulate(inp.query_lens, initial=0))
         max_blocks = max(len(bt) for bt in inp.block_tables)
         ints = cu + inp.seq_lens  # then each block table, zero-padded to max_blocks
@@ -156,7 +157,8 @@ class ModelRunner:
                 if m is None:
                     custom_mask[cu[i] : cu[i + 1], :q] = torch.ones(q, q, dtype=torch.bool).tril()
                 else:
-                    custom_mask[cu[i] : cu[i + 1], :q] = m if isinstance(m, torch.Tensor) else torch.tensor(m, dtype=torch.bool)
+                    m = m if isinstance(m, torch.Tensor) else torch.tensor(m, dtype=torch.bool)
+                    custom_mask[cu[i] : cu[i + 1], :q] = m
             custom_mask = custom_mask.to(self.device)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,

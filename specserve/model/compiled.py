@@ -17,7 +17,7 @@ holds three programs that differ in their attention and their matmuls:
 - "model", for any rows: the BLAS's matmuls, the context gathered for torch's CPU flash attention.
 
 None holds the weights: the loader hands each the model's own tensors. Loading takes
-milliseconds; building takes a minute or three, so a package is built once per model shape,
+milliseconds; building takes minutes, so a package is built once per model shape,
 torch, CPU and version of this code, in a process of its own at low priority, into the user's
 cache directory (`specserve calibrate` builds it ahead), and the engine takes it up when it
 appears.
@@ -211,7 +211,8 @@ def build_for(config) -> list[Path]:
     calibrate`, benchmarks); returns their paths."""
     from specserve.model.loader import load_model
 
-    if config.cpu.compile == "off" or config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+    on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if config.cpu.compile == "off" or on_gpu:
         return []
     models = [(config.target.path, config.target.dtype)]
     if config.draft.kind == "model":
@@ -223,7 +224,7 @@ def build_for(config) -> list[Path]:
             continue
         package = package_path(model, config.cache.block_size)
         if not package.is_file():
-            print(f"compiling the forward of {checkpoint} (two or three minutes, once)", file=sys.stderr, flush=True)
+            print(f"compiling the forward of {checkpoint} (a few minutes, once)", file=sys.stderr, flush=True)
             build(model, config.cache.block_size, package)
         paths.append(package)
     return paths

@@ -3,10 +3,10 @@ rounding), the same keys and values in the pool, for every layout a step makes (
 chain, a tree, sequences of different row counts, a prompt chunk); through the engine, greedy
 speculative output equal to target-only output on it for chains and trees, sampled output
 following the target's distribution, every block back after aborts; and how the engine takes a
-package up. One package is built per test session (about a minute on two cores), in the
+package up. One package is built per test session (about a minute and a half on two cores), in the
 session's cache directory where the engine looks, for a two-layer Qwen3-shaped target (per-head
-q/k norms, the LM head tied to the embedding); the draft is the target with noise added (it agrees often, not always), so it has the
-target's shape and shares the package."""
+q/k norms, the LM head tied to the embedding); the draft is the target with noise added (it
+agrees often, not always), so it has the target's shape and shares the package."""
 
 from __future__ import annotations
 

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from specserve import cli
-from specserve import config as C
 from specserve import profile
 from specserve.errors import SpecserveError
 from specserve.llm import LLM

@@ -163,7 +163,7 @@ def test_reference_is_lossless(tree):
     TV concentrates (McDiarmid: P(TV - E[TV] > t) <= exp(-2 S t^2) = exp(-7) for t=0.028).
     A sampler ignoring the residual (emitting draft tokens at q) would give TV ~0.3 here.
     """
-    num_samples, vocab = 4000, 5
+    num_samples = 4000
     target_root = torch.tensor([0.05, 0.4, 0.3, 0.15, 0.1])
     draft = torch.tensor([0.5, 0.1, 0.05, 0.3, 0.05])  # deliberately far from the target
     empirical = first_token_distribution(tree, draft, target_root, num_samples, seed=1234)
