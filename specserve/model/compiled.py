@@ -178,29 +178,47 @@ def example_inputs(model: CausalLM, block_size: int, q: int = 3) -> tuple[torch.
             torch.full((B,), 40, dtype=torch.int64), torch.ones(q, q, dtype=torch.bool).tril().repeat(B, 1, 1))
 
 
-def build(model: CausalLM, block_size: int, out: Path) -> Path:
-    """Export and compile `dense_forward` for `model` into the package `out` (written whole or
-    not at all), one program of PROGRAMS each. None holds the weights: the loader hands them the
-    model's own tensors (`load`)."""
+# The programs' bounds: the most sequences and the most rows a sequence each takes.
+_LIMITS = {"few": (FEW_ROWS, FEW_ROWS), "decode": (1 << 14, DECODE_ROWS), "model": (1 << 14, 1 << 14)}
+
+
+def _compile(checkpoint: str, dtype: str, block_size: int, name: str) -> list[str]:
+    """Export and compile the program `name` of the checkpoint's forward; returns the files
+    AOTInductor wrote for it."""
     from torch._inductor import aot_compile
-    from torch._inductor.package import package_aoti
     from torch.export import Dim, export
+
+    from specserve.model.loader import load_model
+
+    model, _ = load_model(checkpoint, dtype=dtype, progress=False)
+    max_batch, max_rows = _LIMITS[name]
+    B, q = Dim("batch", min=1, max=max_batch), Dim("rows", min=1, max=max_rows)
+    W, NB = Dim("blocks", min=1, max=1 << 20), Dim("pool_blocks", min=1, max=1 << 24)
+    shapes = ({0: B, 1: q}, {0: B, 1: q}, {1: NB}, {1: NB}, {0: B, 1: W}, {0: B}, {0: B, 1: q, 2: q})
+    with torch.inference_mode():
+        program = export(_Traced(model, name).eval(), example_inputs(model, block_size, min(3, max_rows)),
+                         dynamic_shapes=shapes)
+    args, kwargs = program.example_inputs
+    options = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False}
+    return aot_compile(program.module(check_guards=False), args, kwargs, options=options)
+
+
+def build(checkpoint, dtype: str, block_size: int, out: Path) -> Path:
+    """Export and compile `dense_forward` for the checkpoint into the package `out` (written
+    whole or not at all), one program of PROGRAMS each. Each program is one C++ compile on one
+    core: they run in processes of their own, as many at once as this process may use cores.
+    None holds the weights: the loader hands them the model's own tensors (`load`)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from torch._inductor.package import package_aoti
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
-    options = {"aot_inductor.package": True, "aot_inductor.package_constants_in_so": False}
-    limits = {"few": (FEW_ROWS, FEW_ROWS), "decode": (1 << 14, DECODE_ROWS), "model": (1 << 14, 1 << 14)}
-    files = {}
-    for name in PROGRAMS:
-        max_batch, max_rows = limits[name]
-        B, q = Dim("batch", min=1, max=max_batch), Dim("rows", min=1, max=max_rows)
-        W, NB = Dim("blocks", min=1, max=1 << 20), Dim("pool_blocks", min=1, max=1 << 24)
-        shapes = ({0: B, 1: q}, {0: B, 1: q}, {1: NB}, {1: NB}, {0: B, 1: W}, {0: B}, {0: B, 1: q, 2: q})
-        with torch.inference_mode():
-            program = export(_Traced(model, name).eval(), example_inputs(model, block_size, min(3, max_rows)),
-                             dynamic_shapes=shapes)
-        args, kwargs = program.example_inputs
-        files[name] = aot_compile(program.module(check_guards=False), args, kwargs, options=options)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    with ProcessPoolExecutor(min(len(PROGRAMS), cores), mp_context=multiprocessing.get_context("spawn")) as pool:
+        jobs = {name: pool.submit(_compile, str(checkpoint), dtype, block_size, name) for name in PROGRAMS}
+        files = {name: job.result() for name, job in jobs.items()}
     package_aoti(str(tmp), files)
     tmp.replace(out)
     return out
@@ -225,7 +243,7 @@ def build_for(config) -> list[Path]:
         package = package_path(model, config.cache.block_size)
         if not package.is_file():
             print(f"compiling the forward of {checkpoint} (a few minutes, once)", file=sys.stderr, flush=True)
-            build(model, config.cache.block_size, package)
+            build(checkpoint, dtype, config.cache.block_size, package)
         paths.append(package)
     return paths
 
@@ -323,8 +341,6 @@ def build_in_background(checkpoint: str, dtype: str, block_size: int, out: Path)
 def main(argv=None) -> int:
     import argparse
 
-    from specserve.model.loader import load_model
-
     ap = argparse.ArgumentParser(description="build the compiled CPU forward of one checkpoint")
     ap.add_argument("checkpoint")
     ap.add_argument("--dtype", default="float32")
@@ -333,9 +349,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     try:
-        model, _ = load_model(args.checkpoint, dtype=args.dtype, progress=False)
         start = time.perf_counter()
-        build(model, args.block_size, out)
+        build(args.checkpoint, args.dtype, args.block_size, out)
         print(f"compiled forward of {args.checkpoint} written to {out} in {time.perf_counter() - start:.0f} s")
         return 0
     finally:

@@ -29,7 +29,7 @@ def build(ckpt) -> object:
     model, _ = load_model(ckpt, dtype="float32", progress=False)
     path = compiled.package_path(model, BLOCK)
     if not path.is_file():
-        compiled.build(model, BLOCK, path)
+        compiled.build(ckpt, "float32", BLOCK, path)
     return path
 
 
