@@ -206,19 +206,27 @@ def _compile(checkpoint: str, dtype: str, block_size: int, name: str) -> list[st
 def build(checkpoint, dtype: str, block_size: int, out: Path) -> Path:
     """Export and compile `dense_forward` for the checkpoint into the package `out` (written
     whole or not at all), one program of PROGRAMS each. Each program is one C++ compile on one
-    core: they run in processes of their own, as many at once as this process may use cores.
-    None holds the weights: the loader hands them the model's own tensors (`load`)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    core: they run in processes of their own (this module's `--program`), as many at once as
+    this process may use cores. None holds the weights: the loader hands them the model's own
+    tensors (`load`)."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
 
     from torch._inductor.package import package_aoti
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    with ProcessPoolExecutor(min(len(PROGRAMS), cores), mp_context=multiprocessing.get_context("spawn")) as pool:
-        jobs = {name: pool.submit(_compile, str(checkpoint), dtype, block_size, name) for name in PROGRAMS}
-        files = {name: job.result() for name, job in jobs.items()}
+
+    def compile_apart(name: str) -> list[str]:
+        listing = Path(scratch) / f"{name}.json"
+        subprocess.run([sys.executable, "-m", "specserve.model.compiled", str(checkpoint), "--dtype", dtype,
+                        "--block-size", str(block_size), "--program", name, "--out", str(listing)],
+                       check=True, stdin=subprocess.DEVNULL)
+        return json.loads(listing.read_text())
+
+    with tempfile.TemporaryDirectory() as scratch, ThreadPoolExecutor(min(len(PROGRAMS), cores)) as pool:
+        files = dict(zip(PROGRAMS, pool.map(compile_apart, PROGRAMS)))
     package_aoti(str(tmp), files)
     tmp.replace(out)
     return out
@@ -346,8 +354,13 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--block-size", type=int, required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--program", choices=PROGRAMS, help="compile this program alone; --out is then a JSON "
+                    "list of the files it wrote (a step of a build)")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    if args.program:
+        out.write_text(json.dumps(_compile(args.checkpoint, args.dtype, args.block_size, args.program)))
+        return 0
     try:
         start = time.perf_counter()
         build(args.checkpoint, args.dtype, args.block_size, out)
