@@ -49,7 +49,8 @@ def _checkpoint_id(path: str | None) -> list | None:
 def profile_key(engine, buckets: list[int], max_rows: int) -> dict:
     cfg = engine.config
     dev = engine.device
-    device = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu:{platform.processor() or platform.machine()}"
+    device = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+              else f"cpu:{platform.processor() or platform.machine()}")
     return {
         "format": FORMAT, "version": specserve.__version__,
         "target": _checkpoint_id(cfg.target.path),
@@ -58,7 +59,9 @@ def profile_key(engine, buckets: list[int], max_rows: int) -> dict:
         "draft_dtype": str(engine.draft.model.dtype) if engine.draft is not None else None,
         "onednn": [r is not None and any("onednn" in m.__dict__ for m in r.model.modules())
                    for r in (engine.target, engine.draft)],
-        "compiled": [r is not None and r.compiled is not None for r in (engine.target, engine.draft)],
+        # the package each model runs (its name keys the code it was compiled from), else None
+        "compiled": [None if r is None or r.compiled is None else r.compiled.name
+                     for r in (engine.target, engine.draft)],
         "block_size": engine.pool.block_size,
         "buckets": buckets, "max_rows": max_rows,
     }

@@ -287,6 +287,7 @@ class CompiledForward:
     output tree specs from JSON at every call (a visible share of a decode step)."""
 
     def __init__(self, path: Path, model: CausalLM):
+        self.name = path.name
         # program name -> its runner, kept as long as this (a file that is no package fails here)
         self._loaders = {name: torch._C._aoti.AOTIModelPackageLoader(str(path), name, False, 1, -1)
                          for name in PROGRAMS}

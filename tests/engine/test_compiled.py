@@ -218,6 +218,16 @@ def test_a_package_built_while_serving_is_taken_up(pair, package, tmp_path, monk
     assert after == before
 
 
+def test_the_profile_is_keyed_by_the_package_a_model_runs(pair, package):
+    """Step costs measured on one package's programs are not read for another's (a new version
+    of the compiled code, another layout): the profile's key names the package."""
+    from specserve import profile
+
+    llm = engine(pair, draft="none")
+    assert llm.engine.target.compiled is not None
+    assert profile.profile_key(llm.engine, [1, 2], 4)["compiled"] == [package[1].name, None]
+
+
 def test_a_failed_build_leaves_the_engine_eager(pair, tmp_path, monkeypatch, caplog):
     import subprocess
     import sys
