@@ -298,7 +298,7 @@ class CompiledForward:
             raise ValueError(f"{bad[0]} is not contiguous")
         for loader in self._loaders.values():
             loader.load_constants({f: weights[f].detach() for f in loader.get_constant_fqns()}, False, True, True)
-        self._few, self._decode, self._run = (self._loaders[name].boxed_run for name in PROGRAMS)
+        self._few, self._decode, self._run = (self._loaders[name].boxed_run for name in ("few", "decode", "model"))
 
     def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         B, q = tensors[0].shape
