@@ -248,15 +248,8 @@ class ModelRunner:
                 else:
                     mask[b, :n, :n] = m if isinstance(m, torch.Tensor) else torch.tensor(m, dtype=torch.bool)
         k_pool, v_pool = self.kv_pool
-        hidden, k_new, v_new, *logits = self.compiled(ids_t.view(B, q), pos_t.view(B, q), k_pool, v_pool,
-                                                      tables_t.view(B, W), ctx_t, mask)
-        L, NB, BS, Hkv, D = k_pool.shape
-        if not uniform or min(slots) < 0:
-            keep = (slots_t >= 0).nonzero().squeeze(1)
-            slots_t, k_new, v_new = slots_t[keep], k_new[:, keep], v_new[:, keep]
-        k_pool.view(L, NB * BS, Hkv, D).index_copy_(1, slots_t, k_new)
-        v_pool.view(L, NB * BS, Hkv, D).index_copy_(1, slots_t, v_new)
-        logits = logits[0] if logits else None
+        hidden, logits = self.compiled(ids_t.view(B, q), pos_t.view(B, q), k_pool, v_pool, tables_t.view(B, W),
+                                       ctx_t, mask, slots_t)
         if not uniform:
             real = torch.tensor(real)
             hidden, logits = hidden[real], None if logits is None else logits[real]

@@ -6,14 +6,14 @@ weights' bytes, sets its speed. `dense_forward` is the whole forward (every laye
 included) written as one traceable function of plain tensors; torch.export traces it with the
 batch, the rows per sequence, the blocks per sequence and the pool size symbolic, and
 AOTInductor compiles it into C++ (the norms and RoPE as fused loops) behind one call. A package
-holds three programs that differ in their attention and their matmuls:
+holds two such programs, and beside it a kernel written by hand:
 
-- "few", for at most FEW_ROWS rows in all (a decode step or a verify at low batch, a draft
-  level): every matmul a sum of products that streams its weight once at the memory's speed,
-  where a BLAS call for so few rows runs at a fraction of it (`_sum_linear`); the attention as
-  fused sums that read the context's keys and values where the pool holds them;
-- "decode", for at most DECODE_ROWS rows a sequence at any batch: the BLAS's matmuls, the same
-  fused attention;
+- "few" (few.cpp, compiled with the package), for at most FEW_ROWS rows in all (a decode step or a
+  verify at low batch, a draft level): the whole forward and the LM head in one parallel region,
+  every weight streamed once at the memory's speed, where a BLAS call for so few rows runs at a
+  fraction of it and a compiled program's loops meet once a loop;
+- "decode", for at most DECODE_ROWS rows a sequence at any batch: the BLAS's matmuls, the
+  attention as fused sums that read the context's keys and values where the pool holds them;
 - "model", for any rows: the BLAS's matmuls, the context gathered for torch's CPU flash attention.
 
 None holds the weights: the loader hands each the model's own tensors. Loading takes
@@ -36,6 +36,7 @@ agree to float32 rounding (tests/engine/test_compiled.py).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import logging
@@ -52,11 +53,11 @@ from specserve.model.llama import CausalLM, apply_rope, rope_full_tables
 
 logger = logging.getLogger("specserve")
 
-FORMAT = 4   # bump when the call's signature or layout changes (the weights' strides included)
-FEW_ROWS = 4   # forwards of at most this many rows in all take the "few" program
+FORMAT = 5   # bump when the call's signature or layout changes (the weights' strides included)
+FEW_ROWS = 16   # forwards of at most this many rows in all take the "few" kernel
 DECODE_ROWS = 2   # other forwards of at most this many rows a sequence take the "decode" program
-PROGRAMS = ("few", "decode", "model")
-_SOURCES = ("compiled.py", "llama.py")   # the code a package is compiled from
+PROGRAMS = ("decode", "model")   # the package's compiled programs ("few" is few.cpp)
+_SOURCES = ("compiled.py", "llama.py", "few.cpp")   # the code a package is compiled from
 _STALE_LOCK_S = 1800.0   # a build lock older than this belongs to a build that died
 
 
@@ -69,8 +70,8 @@ def dense_forward(
     tables: torch.Tensor,  # [B, W] int64: block ids of each sequence's context (any id past it)
     ctx_lens: torch.Tensor,  # [B] int64: cached keys each sequence's new rows see
     mask: torch.Tensor,  # [B, q, q] bool: new row t sees new row j
-    program: str = "model",  # one of PROGRAMS: which matmuls and attention (the module docstring)
-) -> tuple[torch.Tensor, ...]:  # hidden [B*q, H]; new K, V [L, B*q, Hkv, D]; "few": logits [B*q, V]
+    program: str = "model",  # one of PROGRAMS: which attention (the module docstring)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # hidden [B*q, H]; new K, V [L, B*q, Hkv, D]
     args = model.args
     B, q = input_ids.shape
     Hq, Hkv, D = args.num_heads, args.num_kv_heads, args.head_dim
@@ -80,11 +81,10 @@ def dense_forward(
     in_context = torch.arange(S, device=x.device)[None, :] < ctx_lens[:, None]  # [B, S]
     visible = torch.cat([in_context[:, None, :].expand(B, q, S), mask], dim=2)  # [B, q, S + q]
     attention = _flash_attention if program == "model" else _direct_attention
-    linear = _sum_linear if program == "few" else F.linear
     keys, values = [], []
     for layer_index, layer in enumerate(model.layers):
         attn, ffn = layer.attention, layer.feed_forward
-        qkv = linear(layer.attention_norm.forward(x), attn.wqkv.weight, attn.wqkv.bias)
+        qkv = F.linear(layer.attention_norm.forward(x), attn.wqkv.weight, attn.wqkv.bias)
         qh, kh, vh = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
         qh, kh, vh = qh.reshape(-1, Hq, D), kh.reshape(-1, Hkv, D), vh.reshape(-1, Hkv, D)
         if attn.q_norm is not None:
@@ -96,13 +96,10 @@ def dense_forward(
         out = attention(qh.reshape(B, q, Hkv, Hq // Hkv, D), kh.reshape(B, q, Hkv, D), vh.reshape(B, q, Hkv, D),
                         k_pool[layer_index][tables].reshape(B, S, Hkv, D),
                         v_pool[layer_index][tables].reshape(B, S, Hkv, D), visible, attn.scale)
-        h = x + linear(out.reshape(B * q, Hq * D), attn.wo.weight)
-        gate, up = linear(layer.ffn_norm.forward(h), ffn.w13.weight).chunk(2, dim=-1)
-        x = h + linear(F.silu(gate) * up, ffn.w2.weight)
-    hidden = model.norm.forward(x)
-    if program == "few":   # the LM head too: every row of so few is a decode row or a draft's or a verify's
-        return hidden, torch.stack(keys), torch.stack(values), _sum_linear(hidden, model.output.weight)
-    return hidden, torch.stack(keys), torch.stack(values)
+        h = x + F.linear(out.reshape(B * q, Hq * D), attn.wo.weight)
+        gate, up = F.linear(layer.ffn_norm.forward(h), ffn.w13.weight).chunk(2, dim=-1)
+        x = h + F.linear(F.silu(gate) * up, ffn.w2.weight)
+    return model.norm.forward(x), torch.stack(keys), torch.stack(values)
 
 
 def _flash_attention(qh, kh, vh, k_ctx, v_ctx, visible, scale):
@@ -136,21 +133,6 @@ def _direct_attention(qh, kh, vh, k_ctx, v_ctx, visible, scale):
     return (p[:, :, :S] * v_ctx[:, None, :, :, None, :]).sum(2) + (p[:, :, S:] * vh[:, None, :, :, None, :]).sum(2)
 
 
-def _sum_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (x [T, in], weight [out, in] row-major) as sums of products over `in`, for few
-    rows T. The weight's rows are cut into up to 32 equal slices, the outermost loop, which the
-    compiler shares among the threads; within a slice each row of x meets each weight row in one
-    vectorised loop over `in`. A thread then streams its slice from memory once, and rereads it
-    from its own cache for the other rows of x: for one row that runs near the memory's speed,
-    where a BLAS call tuned for many rows runs at a fraction of it. Without a BLAS's register
-    blocking its work grows with T, so it loses as the rows grow (FEW_ROWS bounds them)."""
-    out, k = weight.shape
-    parts = next(p for p in (32, 16, 8, 4, 2, 1) if out % p == 0)
-    y = (weight.view(parts, 1, out // parts, k) * x.view(1, -1, 1, k)).sum(-1)   # [parts, T, out / parts]
-    y = y.permute(1, 0, 2).reshape(-1, out)
-    return y if bias is None else y + bias
-
-
 class _Traced(torch.nn.Module):
     def __init__(self, model: CausalLM, program: str = "model"):
         super().__init__()
@@ -179,7 +161,7 @@ def example_inputs(model: CausalLM, block_size: int, q: int = 3) -> tuple[torch.
 
 
 # The programs' bounds: the most sequences and the most rows a sequence each takes.
-_LIMITS = {"few": (FEW_ROWS, FEW_ROWS), "decode": (1 << 14, DECODE_ROWS), "model": (1 << 14, 1 << 14)}
+_LIMITS = {"decode": (1 << 14, DECODE_ROWS), "model": (1 << 14, 1 << 14)}
 
 
 def _compile(checkpoint: str, dtype: str, block_size: int, name: str) -> list[str]:
@@ -205,16 +187,17 @@ def _compile(checkpoint: str, dtype: str, block_size: int, name: str) -> list[st
 
 def build(checkpoint, dtype: str, block_size: int, out: Path) -> Path:
     """Export and compile `dense_forward` for the checkpoint into the package `out` (written
-    whole or not at all), one program of PROGRAMS each. Each program is one C++ compile on one
-    core: they run in processes of their own (this module's `--program`), as many at once as
-    this process may use cores. None holds the weights: the loader hands them the model's own
-    tensors (`load`)."""
+    whole or not at all), one program of PROGRAMS each, after the few-row kernel beside it
+    (`kernel_path`). Each program is one C++ compile on one core: they run in processes of their
+    own (this module's `--program`), as many at once as this process may use cores. None holds
+    the weights: the loader hands them the model's own tensors (`load`)."""
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
     from torch._inductor.package import package_aoti
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    compile_kernel(kernel_path(out))
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -230,6 +213,95 @@ def build(checkpoint, dtype: str, block_size: int, out: Path) -> Path:
     package_aoti(str(tmp), files)
     tmp.replace(out)
     return out
+
+
+# Instruction sets by the CPU capability torch reports, which keys the package (package_path): a
+# kernel built for one machine runs on any other of the same key.
+_ARCH_FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma",
+                          "-mprefer-vector-width=512"],
+               "AVX2": ["-mavx2", "-mfma"]}
+
+
+def kernel_path(package: Path) -> Path:
+    return package.with_suffix(".so")
+
+
+def compile_kernel(out: Path) -> Path:
+    """Compile few.cpp into the shared library `out` (written whole or not at all): a few
+    seconds. OpenMP's runtime is the one torch loaded (the same soname), so the kernel's threads
+    are torch's intra-op threads."""
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    flags = _ARCH_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
+    cmd = [os.environ.get("CXX", "c++"), "-O3", "-std=c++17", "-ffp-contract=fast", "-fopenmp", "-fPIC", "-shared",
+           *flags, str(Path(__file__).with_name("few.cpp")), "-o", str(tmp)]
+    subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
+    tmp.replace(out)
+    return out
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "ffn_norm", "w13", "w2")]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [*((name, ctypes.c_int64) for name in ("hidden", "num_layers", "num_heads", "num_kv_heads",
+                                                      "head_dim", "inter", "vocab", "max_pos")),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                *((name, ctypes.c_void_p) for name in ("embed", "norm", "output", "rope_cos", "rope_sin")),
+                ("layers", ctypes.POINTER(_Layer))]
+
+
+class FewKernel:
+    """few.cpp's forward over `model`'s own weights (no copy; it keeps them referenced): the
+    hidden rows and the logits of at most a few rows, their keys and values written into the
+    pool at their slots."""
+
+    def __init__(self, path: Path, model: CausalLM):
+        self._lib = ctypes.CDLL(str(path))
+        self._fn = self._lib.specserve_few_forward
+        self._fn.restype = ctypes.c_int
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr]
+        args = model.args
+
+        def at(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError(f"a weight of shape {tuple(t.shape)} is not contiguous float32")
+            self._weights.append(t)
+            return t.data_ptr()
+
+        self._weights: list[torch.Tensor] = []
+        layers = []
+        for layer in model.layers:
+            attn, ffn = layer.attention, layer.feed_forward
+            layers.append(_Layer(at(layer.attention_norm.weight), at(attn.wqkv.weight), at(attn.wqkv.bias),
+                                 at(attn.q_norm.weight if attn.q_norm is not None else None),
+                                 at(attn.k_norm.weight if attn.k_norm is not None else None),
+                                 at(attn.wo.weight), at(layer.ffn_norm.weight), at(ffn.w13.weight),
+                                 at(ffn.w2.weight)))
+        self._layers = (_Layer * len(layers))(*layers)
+        self._model = _Model(args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads, args.head_dim,
+                             args.intermediate_size, args.vocab_size, model.rope_cos.shape[0],
+                             model.norm.eps, model.layers[0].attention.scale, at(model.tok_embeddings.weight),
+                             at(model.norm.weight), at(model.output.weight), at(model.rope_cos),
+                             at(model.rope_sin), self._layers)
+        self._hidden, self._vocab = args.hidden_size, args.vocab_size
+
+    def __call__(self, ids, pos, k_pool, v_pool, tables, ctx_lens, mask, slots) -> tuple[torch.Tensor, torch.Tensor]:
+        B, q = ids.shape
+        _, NB, BS, _, _ = k_pool.shape
+        hidden = torch.empty(B * q, self._hidden)
+        logits = torch.empty(B * q, self._vocab)
+        rc = self._fn(ctypes.byref(self._model), B, q, ids.data_ptr(), pos.data_ptr(), k_pool.data_ptr(),
+                      v_pool.data_ptr(), NB, BS, tables.data_ptr(), tables.shape[1], ctx_lens.data_ptr(),
+                      mask.data_ptr(), slots.data_ptr(), hidden.data_ptr(), logits.data_ptr())
+        if rc:
+            raise ValueError(f"few-row forward: {('a context or block table', 'a token, position or slot')[rc - 1]} "
+                             "out of range")
+        return hidden, logits
 
 
 def build_for(config) -> list[Path]:
@@ -279,12 +351,12 @@ def package_path(model: CausalLM, block_size: int) -> Path:
 
 
 class CompiledForward:
-    """dense_forward's signature, run by the package's C++ runners on the flat list of tensors:
-    the "few" program for at most FEW_ROWS rows in all, else the "decode" one for at most
-    DECODE_ROWS rows a sequence, else the "model" one. Each reads `model`'s own parameters and
-    buffers (no copy). The runners are made directly: torch's Python wrapper (aoti_load_package)
-    imports the compiler stack (seconds at every start) and parses the package's input and
-    output tree specs from JSON at every call (a visible share of a decode step)."""
+    """One forward of [B, q] rows laid out as dense_forward's: few.cpp's kernel for at most
+    FEW_ROWS rows in all, else the package's "decode" program for at most DECODE_ROWS rows a
+    sequence, else its "model" one. Each reads `model`'s own parameters and buffers (no copy).
+    The runners are made directly: torch's Python wrapper (aoti_load_package) imports the
+    compiler stack (seconds at every start) and parses the package's input and output tree
+    specs from JSON at every call (a visible share of a decode step)."""
 
     def __init__(self, path: Path, model: CausalLM):
         self.name = path.name
@@ -298,12 +370,25 @@ class CompiledForward:
             raise ValueError(f"{bad[0]} is not contiguous")
         for loader in self._loaders.values():
             loader.load_constants({f: weights[f].detach() for f in loader.get_constant_fqns()}, False, True, True)
-        self._few, self._decode, self._run = (self._loaders[name].boxed_run for name in ("few", "decode", "model"))
+        self._decode, self._run = (self._loaders[name].boxed_run for name in ("decode", "model"))
+        self._few = FewKernel(kernel_path(path), model)
 
-    def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        B, q = tensors[0].shape
-        run = self._few if B * q <= FEW_ROWS else self._decode if q <= DECODE_ROWS else self._run
-        return run(list(tensors))
+    def __call__(self, ids, pos, k_pool, v_pool, tables, ctx_lens, mask,
+                 slots) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The hidden rows [B * q, H] and, from the few-row kernel, their logits (else None); the
+        new rows' keys and values written into the pool at `slots` ([B * q]; < 0: nowhere)."""
+        B, q = ids.shape
+        if B * q <= FEW_ROWS:
+            return self._few(ids, pos, k_pool, v_pool, tables, ctx_lens, mask, slots)
+        run = self._decode if q <= DECODE_ROWS else self._run
+        hidden, k_new, v_new = run([ids, pos, k_pool, v_pool, tables, ctx_lens, mask])
+        L, NB, BS, Hkv, D = k_pool.shape
+        if bool((slots < 0).any()):
+            keep = (slots >= 0).nonzero().squeeze(1)
+            slots, k_new, v_new = slots[keep], k_new[:, keep], v_new[:, keep]
+        k_pool.view(L, NB * BS, Hkv, D).index_copy_(1, slots, k_new)
+        v_pool.view(L, NB * BS, Hkv, D).index_copy_(1, slots, v_new)
+        return hidden, None
 
 
 def load(path: Path, model: CausalLM) -> CompiledForward | None:

@@ -46,16 +46,17 @@ def package(pair):
 
 
 def runners(ckpt, path):
-    """An eager runner and a compiled one over pools of the same (random) contents."""
+    """An eager runner and a compiled one (the package at `path`; None: none yet) over pools of
+    the same (random) contents."""
     out = []
     for use in (False, True):
         model, args = load_model(ckpt, dtype="float32", progress=False)
-        r = ModelRunner(model, args, num_blocks=24, block_size=BLOCK, device=torch.device("cpu"))
+        r = ModelRunner(model, args, num_blocks=96, block_size=BLOCK, device=torch.device("cpu"))
         torch.manual_seed(0)
         for k, v in r.kv_caches:
             k.normal_()
             v.normal_()
-        if use:
+        if use and path is not None:
             r.use_compiled(compiled.load(path, model))
         out.append(r)
     return out
@@ -76,6 +77,10 @@ def layout(kind: str, rng: random.Random) -> ForwardInput:
                  (6, 3, None)],
         "small tree": [(10, 4, [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]), (21, 2, None)],
         "two rows": [(13, 2, None), (4, 1, None), (9, 2, [[1, 0], [1, 1]])],
+        "wide": [(3 * b, 1 + b % 2, [[1, 0], [1, 1]] if b == 3 else None) for b in range(9)],
+        "long chain": [(13, 17, None)],
+        "long tree": [(10, 5, [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]),
+                      (6, 14, None)],
     }[kind]
     inp, next_block = ForwardInput(), 0
     for ctx, n, mask in seqs:
@@ -89,21 +94,26 @@ def layout(kind: str, rng: random.Random) -> ForwardInput:
 
 
 PROGRAM_OF = {"decode": "few", "short chain": "few", "short tree": "few", "padded few": "few", "batch": "few",
-              "two rows": "decode", "chain": "model", "mixed": "model", "prompt": "model", "tree": "model",
-              "small tree": "model"}
+              "two rows": "few", "chain": "few", "mixed": "few", "prompt": "few", "tree": "few", "small tree": "few",
+              "wide": "decode", "long chain": "model", "long tree": "model"}
+
+
+def spy(forward: compiled.CompiledForward) -> list[str]:
+    """The programs `forward` runs from now on, one name a call, in the list returned."""
+    ran = []
+    for attr, name in (("_few", "few"), ("_decode", "decode"), ("_run", "model")):
+        run = getattr(forward, attr)
+        setattr(forward, attr, lambda *a, run=run, name=name: ran.append(name) or run(*a))
+    return ran
 
 
 @pytest.mark.parametrize("kind", PROGRAM_OF)
-def test_same_logits_and_kv_as_eager(package, kind, monkeypatch):
-    """Each program equals eager: "few" (at most FEW_ROWS rows in all, the LM head inside),
-    "decode" (at most DECODE_ROWS rows a sequence), "model" (any rows)."""
+def test_same_logits_and_kv_as_eager(package, kind):
+    """Each program equals eager: "few" (few.cpp: at most FEW_ROWS rows in all, the LM head
+    inside), "decode" (at most DECODE_ROWS rows a sequence), "model" (any rows)."""
     eager, fast = runners(*package)
     inp = layout(kind, random.Random(kind))
-    ran = []
-    for name in compiled.PROGRAMS:
-        loader = fast.compiled._loaders[name]
-        monkeypatch.setattr(fast.compiled, {"few": "_few", "decode": "_decode", "model": "_run"}[name],
-                            lambda tensors, run=loader.boxed_run, name=name: ran.append(name) or run(tensors))
+    ran = spy(fast.compiled)
     want = eager.forward(inp)
     got = fast.forward(inp)
     assert got.shape == want.shape
@@ -210,6 +220,7 @@ def test_a_package_built_while_serving_is_taken_up(pair, package, tmp_path, monk
     before = [o.token_ids for o in llm.generate(PROMPTS[:1], GREEDY)]
     assert eng.target.compiled is None
     eng._building[0][2].parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(compiled.kernel_path(package[1]), compiled.kernel_path(eng._building[0][2]))
     shutil.copy(package[1], eng._building[0][2])
     eng._next_build_check = 0.0
     eng.spec._detached = object()   # a controller kept while a static depth plans: its costs are stale now
@@ -252,20 +263,17 @@ def test_unusable_package_is_ignored(tmp_path, package):
     assert compiled.load(bad, model) is None
 
 
-@pytest.mark.parametrize("program,seqs,rows", [("few", 1, 1), ("decode", 5, 1), ("model", 1, 5)])
+@pytest.mark.parametrize("program,seqs,rows", [("few", 1, 1), ("decode", 17, 1), ("model", 1, 17)])
 def test_the_programs_read_the_models_own_weights(package, program, seqs, rows):
     """The package holds no weights: each program reads the model's tensors, so a change to
     one shows in the next call."""
     _, fast = runners(*package)
     inp = ForwardInput()
     for b in range(seqs):
-        table = [2 * b, 2 * b + 1]
+        table = list(range(5 * b, 5 * b + 5))
         inp.add(list(range(5, 5 + rows)), list(range(rows)), slots_for(table, BLOCK, 0, rows), table, rows,
                 logit_rows=list(range(rows)))
-    ran = []
-    attr = {"few": "_few", "decode": "_decode", "model": "_run"}[program]
-    run = getattr(fast.compiled, attr)
-    setattr(fast.compiled, attr, lambda tensors: ran.append(program) or run(tensors))
+    ran = spy(fast.compiled)
     before = fast.forward(inp)
     with torch.no_grad():
         fast.model.layers[0].feed_forward.w2.weight.mul_(0.0)
@@ -291,3 +299,62 @@ def test_a_weight_in_another_layout_is_refused(package):
     w2 = model.layers[0].feed_forward.w2
     w2.weight = torch.nn.Parameter(w2.weight.detach().t().contiguous().t(), requires_grad=False)
     assert compiled.load(package[1], model) is None
+
+
+# -- the few-row kernel on shapes beside the package's ------------------------------------------
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    return compiled.compile_kernel(tmp_path_factory.mktemp("kernel") / "few.so")
+
+
+OTHER_SHAPES = {   # q/k/v biases, an untied head and widths no multiple of a vector (18, 200); plain Llama
+    "qwen2": dict(hidden_size=72, intermediate_size=200, num_attention_heads=4, num_key_value_heads=1),
+    "llama": {},
+}
+
+
+@pytest.fixture(scope="module")
+def other_shapes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shapes")
+    return {arch: make_checkpoint(root / arch, arch=arch, with_tokenizer=False, **kw)
+            for arch, kw in OTHER_SHAPES.items()}
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("arch", OTHER_SHAPES)
+def test_the_few_kernel_equals_eager_on_other_shapes(kernel, other_shapes, arch, threads):
+    """The kernel alone (no package) against eager, on every layout it takes: logits, argmax and
+    the pool's keys and values. On one thread, and on three, which cut a sequence's context into
+    three pieces whose softmaxes are combined."""
+    eager, fast = runners(other_shapes[arch], None)
+    fast.use_compiled(compiled.FewKernel(kernel, fast.model))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for kind in [k for k, program in PROGRAM_OF.items() if program == "few"]:
+            inp = layout(kind, random.Random(kind))
+            want, got = eager.forward(inp), fast.forward(inp)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=kind)
+            assert torch.equal(got.argmax(-1), want.argmax(-1)), kind
+    finally:
+        torch.set_num_threads(before)
+    for (ke, ve), (kf, vf) in zip(eager.kv_caches, fast.kv_caches):
+        torch.testing.assert_close(kf, ke, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(vf, ve, rtol=1e-5, atol=1e-5)
+
+
+def test_the_few_kernel_refuses_indices_out_of_range(kernel, other_shapes):
+    """A block id, slot or token past its table is an error, not a read or write out of bounds."""
+    model, args = load_model(other_shapes["llama"], dtype="float32", progress=False)
+    few = compiled.FewKernel(kernel, model)
+    pool = torch.zeros(args.num_layers, 4, BLOCK, args.num_kv_heads, args.head_dim)
+    ok = dict(ids=torch.tensor([[5]]), pos=torch.tensor([[6]]), k_pool=pool, v_pool=pool.clone(),
+              tables=torch.tensor([[0, 1]]), ctx_lens=torch.tensor([6]), mask=torch.ones(1, 1, 1, dtype=torch.bool),
+              slots=torch.tensor([6]))
+    hidden, logits = few(**ok)
+    assert hidden.shape == (1, args.hidden_size) and logits.shape == (1, args.vocab_size)
+    for name, bad in [("tables", torch.tensor([[0, 4]])), ("slots", torch.tensor([16])),
+                      ("ids", torch.tensor([[10**6]])), ("ctx_lens", torch.tensor([9]))]:
+        with pytest.raises(ValueError, match="out of range"):
+            few(**(ok | {name: bad}))
