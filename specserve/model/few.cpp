@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -71,11 +72,55 @@ inline float hsum(vf v) {
   return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
-// out += p * v over n elements
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// out += p * v over a head's n elements
 inline void axpy(float* __restrict out, float p, const float* __restrict v, int64_t n) {
+  if (n % 16 == 0) {
+    for (int64_t k = 0; k < n; k += 16) store(out + k, load(out + k) + p * load(v + k));
+    return;
+  }
 #pragma omp simd
   for (int64_t k = 0; k < n; ++k) out[k] += p * v[k];
 }
+
+// e^x, x in [-87, 0] (a softmax's scores less their max) to float32 rounding: x = n ln2 + r with
+// |r| <= ln2 / 2 (ln2 in two parts, Cody and Waite), e^r by its Taylor series to r^6 (the rest
+// is below 1.2e-7 relative), 2^n put into the exponent's bits.
+inline vf exp_nonpositive(vf x) {
+  typedef int32_t vi __attribute__((vector_size(64)));
+  x = x < -87.f ? vf{} - 87.f : x;
+  const vf n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest
+  const vf r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-6f;
+  vf e = vf{} + 1.f / 720;
+  e = e * r + 1.f / 120;
+  e = e * r + 1.f / 24;
+  e = e * r + 1.f / 6;
+  e = e * r + 0.5f;
+  e = e * r + 1.f;
+  e = e * r + 1.f;
+  return e * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+}
+
+// sr[0, n) replaced by e^(sr - max), 0 where sr is -inf; returns (max, sum).
+inline std::pair<float, float> softmax_terms(float* __restrict sr, int64_t n) {
+  float top = -INFINITY, sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) top = sr[j] > top ? sr[j] : top;
+  int64_t j = 0;
+  vf acc = {};
+  for (; j + 16 <= n; j += 16) {
+    const vf v = load(sr + j);
+    const vf e = v == -INFINITY ? vf{} : exp_nonpositive(v - top);
+    store(sr + j, e);
+    acc += e;
+  }
+  sum = hsum(acc);
+  for (; j < n; ++j) sum += (sr[j] = sr[j] == -INFINITY ? 0.f : std::exp(sr[j] - top));
+  return {top, sum};
+}
+
+// a . b over a head's n elements: one accumulator, no tail, where n is a multiple of 16
+inline float dot_head(const float* __restrict a, const float* __restrict b, int64_t n);
 
 // a . b over n elements with four independent accumulators (four chains of fused multiply-adds
 // in flight, where one chain waits on each add's latency).
@@ -92,6 +137,13 @@ inline float dot4(const float* __restrict a, const float* __restrict b, int64_t 
   float s = hsum((a0 + a1) + (a2 + a3));
   for (; k < n; ++k) s += a[k] * b[k];
   return s;
+}
+
+inline float dot_head(const float* __restrict a, const float* __restrict b, int64_t n) {
+  if (n % 16) return dot4(a, b, n);
+  vf acc = load(a) * load(b);
+  for (int64_t k = 16; k < n; k += 16) acc += load(a + k) * load(b + k);
+  return hsum(acc);
 }
 
 // y[0], y[ldy], y[2 ldy], y[3 ldy] = w . x[0..3] (x [4, K]): each vector of w loaded once for
@@ -266,7 +318,7 @@ extern "C" int specserve_few_forward(const Model* m, int64_t B, int64_t q, const
               const float* key = keys + o * key_stride + kv * D;
               for (int64_t i = 0; i < q; ++i)
                 for (int64_t hd = kv * G; hd < (kv + 1) * G; ++hd)
-                  scores[(i * Hq + hd) * S + j - pc.j0 + o] = dot4(head(b * q + i, hd), key, D) * m->scale;
+                  scores[(i * Hq + hd) * S + j - pc.j0 + o] = dot_head(head(b * q + i, hd), key, D) * m->scale;
             }
         }
         if (pc.last)
@@ -274,13 +326,11 @@ extern "C" int specserve_few_forward(const Model* m, int64_t B, int64_t q, const
             for (int64_t i = 0; i < q; ++i)
               for (int64_t hd = 0; hd < Hq; ++hd)
                 scores[(i * Hq + hd) * S + n + u] = mask[(b * q + i) * q + u]
-                    ? dot4(head(b * q + i, hd), head(b * q + u, Hq + hd / G), D) * m->scale : -INFINITY;
+                    ? dot_head(head(b * q + i, hd), head(b * q + u, Hq + hd / G), D) * m->scale : -INFINITY;
         float* out = part + p * R * (D + 2);  // row r: D outputs, then max and sum
         for (int64_t r = 0; r < R; ++r) {
           float* sr = scores.get() + r * S;
-          float top = -INFINITY, sum = 0.f;
-          for (int64_t j = 0; j < S; ++j) top = std::max(top, sr[j]);
-          for (int64_t j = 0; j < S; ++j) sum += (sr[j] = sr[j] == -INFINITY ? 0.f : std::exp(sr[j] - top));
+          const auto [top, sum] = softmax_terms(sr, S);
           std::fill(out + r * (D + 2), out + r * (D + 2) + D, 0.f);
           out[r * (D + 2) + D] = top;
           out[r * (D + 2) + D + 1] = sum;
