@@ -298,6 +298,8 @@ class FewKernel:
         rc = self._fn(ctypes.byref(self._model), B, q, ids.data_ptr(), pos.data_ptr(), k_pool.data_ptr(),
                       v_pool.data_ptr(), NB, BS, tables.data_ptr(), tables.shape[1], ctx_lens.data_ptr(),
                       mask.data_ptr(), slots.data_ptr(), hidden.data_ptr(), logits.data_ptr())
+        if rc == 3:
+            raise MemoryError("few-row forward: no memory for its buffers")
         if rc:
             raise ValueError(f"few-row forward: {('a context or block table', 'a token, position or slot')[rc - 1]} "
                              "out of range")

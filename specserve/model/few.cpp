@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <utility>
 #include <vector>
 
@@ -181,8 +182,6 @@ inline void matvec(const float* __restrict w, int64_t n, const float* __restrict
   }
 }
 
-// n floats, not initialised (every buffer here is written before it is read)
-inline std::unique_ptr<float[]> floats(int64_t n) { return std::unique_ptr<float[]>(new float[n]); }
 
 // x * rsqrt(mean(x^2) + eps) * w over n elements.
 inline void rms_norm(const float* __restrict x, const float* __restrict w, int64_t n, float eps,
@@ -218,6 +217,8 @@ struct Piece {
 
 }  // namespace
 
+// Returns 0; 1 where a context length or block id is out of range, 2 a token, position or slot,
+// 3 where the buffers cannot be had. Nothing is read or written out of bounds first.
 extern "C" int specserve_few_forward(const Model* m, int64_t B, int64_t q, const int64_t* ids, const int64_t* pos,
                                      float* k_pool, float* v_pool, int64_t num_blocks, int64_t block_size,
                                      const int64_t* tables, int64_t W, const int64_t* ctx_lens, const bool* mask,
@@ -258,9 +259,19 @@ extern "C" int specserve_few_forward(const Model* m, int64_t B, int64_t q, const
   const int64_t R = q * Hq, NP = pieces.size();  // a sequence's query rows: new row i, head hd at i Hq + hd
 
   // Shared: x the residual stream, h the residual after attention, the pieces' partial outputs
-  // (R rows of D outputs, max, sum a piece).
-  const auto shared = floats(T * (2 * H + QKV + I) + NP * R * (D + 2));
-  float* x = shared.get();
+  // (R rows of D outputs, max, sum a piece). Then each thread's own: the normalised rows, the q
+  // and k heads after norms and RoPE, the attention's output, one piece's scores, its gate and
+  // up rows. All taken here, where a failure is an error code and not an exception in a thread.
+  const int max_threads = omp_get_max_threads();
+  const int64_t own = T * H + T * HD * D + T * Hq * D + R * (max_keys + q) + T * 2 * I;
+  float* shared;
+  try {
+    shared = new float[T * (2 * H + QKV + I) + NP * R * (D + 2) + max_threads * own];
+  } catch (const std::bad_alloc&) {
+    return 3;
+  }
+  const std::unique_ptr<float[]> owner(shared);
+  float* x = shared;
   float* h = x + T * H;
   float* qkv = h + T * H;
   float* act = qkv + T * QKV;
@@ -270,20 +281,21 @@ extern "C" int specserve_few_forward(const Model* m, int64_t B, int64_t q, const
 #pragma omp parallel
   {
     const int nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    // This thread's own: the normalised rows, the q and k heads after norms and RoPE, the
-    // attention's output, one piece's scores, its gate and up rows.
-    const auto normed = floats(T * H), qk = floats(T * HD * D), att = floats(T * Hq * D),
-               scores = floats(R * (max_keys + q)), gate_up = floats(T * 2 * I);
-    auto head = [&](int64_t t, int64_t hd) { return qk.get() + (t * HD + hd) * D; };
+    float* const normed = part + NP * R * (D + 2) + tid * own;
+    float* const qk = normed + T * H;
+    float* const att = qk + T * HD * D;
+    float* const scores = att + T * Hq * D;
+    float* const gate_up = scores + R * (max_keys + q);
+    auto head = [&](int64_t t, int64_t hd) { return qk + (t * HD + hd) * D; };
     int64_t j0, j1;
     for (int64_t l = 0; l < L; ++l) {
       const Layer& ly = m->layers[l];
       float* kp = k_pool + l * layer_stride;
       float* vp = v_pool + l * layer_stride;
       // q, k, v of every row.
-      for (int64_t t = 0; t < T; ++t) rms_norm(x + t * H, ly.attn_norm, H, m->eps, normed.get() + t * H);
+      for (int64_t t = 0; t < T; ++t) rms_norm(x + t * H, ly.attn_norm, H, m->eps, normed + t * H);
       share(QKV, 16, tid, nt, &j0, &j1);
-      matvec(ly.wqkv + j0 * H, j1 - j0, normed.get(), T, H, qkv + j0, QKV);
+      matvec(ly.wqkv + j0 * H, j1 - j0, normed, T, H, qkv + j0, QKV);
       if (ly.bqkv)
         for (int64_t t = 0; t < T; ++t)
           for (int64_t j = j0; j < j1; ++j) qkv[t * QKV + j] += ly.bqkv[j];
@@ -329,7 +341,7 @@ extern "C" int specserve_few_forward(const Model* m, int64_t B, int64_t q, const
                     ? dot_head(head(b * q + i, hd), head(b * q + u, Hq + hd / G), D) * m->scale : -INFINITY;
         float* out = part + p * R * (D + 2);  // row r: D outputs, then max and sum
         for (int64_t r = 0; r < R; ++r) {
-          float* sr = scores.get() + r * S;
+          float* sr = scores + r * S;
           const auto [top, sum] = softmax_terms(sr, S);
           std::fill(out + r * (D + 2), out + r * (D + 2) + D, 0.f);
           out[r * (D + 2) + D] = top;
@@ -361,7 +373,7 @@ extern "C" int specserve_few_forward(const Model* m, int64_t B, int64_t q, const
           float top = -INFINITY, sum = 0.f;
           for (int64_t p = first_piece[b]; p < first_piece[b + 1]; ++p)
             top = std::max(top, part[(p * R + r) * (D + 2) + D]);
-          float* out = att.get() + (b * q + r / Hq) * Hq * D + (r % Hq) * D;
+          float* out = att + (b * q + r / Hq) * Hq * D + (r % Hq) * D;
           std::fill(out, out + D, 0.f);
           for (int64_t p = first_piece[b]; p < first_piece[b + 1]; ++p) {
             const float* pr = part + (p * R + r) * (D + 2);
@@ -374,16 +386,16 @@ extern "C" int specserve_few_forward(const Model* m, int64_t B, int64_t q, const
         }
       // h = x + wo att
       share(H, 16, tid, nt, &j0, &j1);
-      matvec(ly.wo + j0 * Hq * D, j1 - j0, att.get(), T, Hq * D, h + j0, H);
+      matvec(ly.wo + j0 * Hq * D, j1 - j0, att, T, Hq * D, h + j0, H);
       for (int64_t t = 0; t < T; ++t)
         for (int64_t j = j0; j < j1; ++j) h[t * H + j] += x[t * H + j];
 #pragma omp barrier
       // act = silu(gate) * up, gate and up rows j and I + j of w13 taken together
-      for (int64_t t = 0; t < T; ++t) rms_norm(h + t * H, ly.ffn_norm, H, m->eps, normed.get() + t * H);
+      for (int64_t t = 0; t < T; ++t) rms_norm(h + t * H, ly.ffn_norm, H, m->eps, normed + t * H);
       share(I, 16, tid, nt, &j0, &j1);
       const int64_t n = j1 - j0;
-      matvec(ly.w13 + j0 * H, n, normed.get(), T, H, gate_up.get(), 2 * n);
-      matvec(ly.w13 + (I + j0) * H, n, normed.get(), T, H, gate_up.get() + n, 2 * n);
+      matvec(ly.w13 + j0 * H, n, normed, T, H, gate_up, 2 * n);
+      matvec(ly.w13 + (I + j0) * H, n, normed, T, H, gate_up + n, 2 * n);
       for (int64_t t = 0; t < T; ++t)
         for (int64_t j = 0; j < n; ++j) {
           const float g = gate_up[t * 2 * n + j], u = gate_up[t * 2 * n + n + j];
@@ -398,10 +410,10 @@ extern "C" int specserve_few_forward(const Model* m, int64_t B, int64_t q, const
 #pragma omp barrier
     }
     // The final norm, then the LM head.
-    for (int64_t t = 0; t < T; ++t) rms_norm(x + t * H, m->norm, H, m->eps, normed.get() + t * H);
-    if (tid == 0) std::memcpy(hidden, normed.get(), T * H * sizeof(float));
+    for (int64_t t = 0; t < T; ++t) rms_norm(x + t * H, m->norm, H, m->eps, normed + t * H);
+    if (tid == 0) std::memcpy(hidden, normed, T * H * sizeof(float));
     share(m->vocab, 16, tid, nt, &j0, &j1);
-    matvec(m->output + j0 * H, j1 - j0, normed.get(), T, H, logits + j0, m->vocab);
+    matvec(m->output + j0 * H, j1 - j0, normed, T, H, logits + j0, m->vocab);
   }
   return 0;
 }
