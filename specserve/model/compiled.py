@@ -188,7 +188,7 @@ def _compile(checkpoint: str, dtype: str, block_size: int, name: str) -> list[st
 def build(checkpoint, dtype: str, block_size: int, out: Path) -> Path:
     """Export and compile `dense_forward` for the checkpoint into the package `out` (written
     whole or not at all), one program of PROGRAMS each, after the few-row kernel beside it
-    (`kernel_path`). Each program is one C++ compile on one core: they run in processes of their
+    (`kernel_path`; where it does not compile, the programs run every forward). Each program is one C++ compile on one core: they run in processes of their
     own (this module's `--program`), as many at once as this process may use cores. None holds
     the weights: the loader hands them the model's own tensors (`load`)."""
     import tempfile
@@ -197,7 +197,11 @@ def build(checkpoint, dtype: str, block_size: int, out: Path) -> Path:
     from torch._inductor.package import package_aoti
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    compile_kernel(kernel_path(out))
+    try:
+        compile_kernel(kernel_path(out))
+    except (OSError, subprocess.CalledProcessError) as e:
+        print(f"the few-row kernel did not compile ({e}); the compiled programs take its forwards",
+              file=sys.stderr, flush=True)
     tmp = out.with_name(f"{out.stem}.{os.getpid()}.tmp.pt2")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -354,7 +358,7 @@ def package_path(model: CausalLM, block_size: int) -> Path:
 
 class CompiledForward:
     """One forward of [B, q] rows laid out as dense_forward's: few.cpp's kernel for at most
-    FEW_ROWS rows in all, else the package's "decode" program for at most DECODE_ROWS rows a
+    FEW_ROWS rows in all (where it compiled), else the package's "decode" program for at most DECODE_ROWS rows a
     sequence, else its "model" one. Each reads `model`'s own parameters and buffers (no copy).
     The runners are made directly: torch's Python wrapper (aoti_load_package) imports the
     compiler stack (seconds at every start) and parses the package's input and output tree
@@ -373,14 +377,15 @@ class CompiledForward:
         for loader in self._loaders.values():
             loader.load_constants({f: weights[f].detach() for f in loader.get_constant_fqns()}, False, True, True)
         self._decode, self._run = (self._loaders[name].boxed_run for name in ("decode", "model"))
-        self._few = FewKernel(kernel_path(path), model)
+        kernel = kernel_path(path)
+        self._few = FewKernel(kernel, model) if kernel.is_file() else None
 
     def __call__(self, ids, pos, k_pool, v_pool, tables, ctx_lens, mask,
                  slots) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The hidden rows [B * q, H] and, from the few-row kernel, their logits (else None); the
         new rows' keys and values written into the pool at `slots` ([B * q]; < 0: nowhere)."""
         B, q = ids.shape
-        if B * q <= FEW_ROWS:
+        if B * q <= FEW_ROWS and self._few is not None:
             return self._few(ids, pos, k_pool, v_pool, tables, ctx_lens, mask, slots)
         run = self._decode if q <= DECODE_ROWS else self._run
         hidden, k_new, v_new = run([ids, pos, k_pool, v_pool, tables, ctx_lens, mask])

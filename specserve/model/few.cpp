@@ -64,12 +64,19 @@ inline vf load(const float* p) {
   return v;
 }
 
+// The sum of v's lanes: halves added until four lanes are left (memcpy of a half is one
+// extract instruction; no shuffle builtin, which GCC has only from version 12).
 inline float hsum(vf v) {
   typedef float v8 __attribute__((vector_size(32)));
   typedef float v4 __attribute__((vector_size(16)));
-  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  v8 lo, hi;
+  std::memcpy(&lo, &v, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  const v8 a = lo + hi;
+  v4 l4, h4;
+  std::memcpy(&l4, &a, sizeof l4);
+  std::memcpy(&h4, reinterpret_cast<const char*>(&a) + sizeof l4, sizeof h4);
+  const v4 c = l4 + h4;
   return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
