@@ -188,9 +188,10 @@ def _compile(checkpoint: str, dtype: str, block_size: int, name: str) -> list[st
 def build(checkpoint, dtype: str, block_size: int, out: Path) -> Path:
     """Export and compile `dense_forward` for the checkpoint into the package `out` (written
     whole or not at all), one program of PROGRAMS each, after the few-row kernel beside it
-    (`kernel_path`; where it does not compile, the programs run every forward). Each program is one C++ compile on one core: they run in processes of their
-    own (this module's `--program`), as many at once as this process may use cores. None holds
-    the weights: the loader hands them the model's own tensors (`load`)."""
+    (`kernel_path`; where it does not compile, the programs run every forward). Each program
+    is one C++ compile on one core: they run in processes of their own (this module's
+    `--program`), as many at once as this process may use cores. None holds the weights: the
+    loader hands them the model's own tensors (`load`)."""
     import tempfile
     from concurrent.futures import ThreadPoolExecutor
 
