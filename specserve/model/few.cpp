@@ -127,9 +127,6 @@ inline std::pair<float, float> softmax_terms(float* __restrict sr, int64_t n) {
   return {top, sum};
 }
 
-// a . b over a head's n elements: one accumulator, no tail, where n is a multiple of 16
-inline float dot_head(const float* __restrict a, const float* __restrict b, int64_t n);
-
 // a . b over n elements with four independent accumulators (four chains of fused multiply-adds
 // in flight, where one chain waits on each add's latency).
 inline float dot4(const float* __restrict a, const float* __restrict b, int64_t n) {
@@ -147,6 +144,7 @@ inline float dot4(const float* __restrict a, const float* __restrict b, int64_t 
   return s;
 }
 
+// a . b over a head's n elements: one accumulator, no tail, where n is a multiple of 16
 inline float dot_head(const float* __restrict a, const float* __restrict b, int64_t n) {
   if (n % 16) return dot4(a, b, n);
   vf acc = load(a) * load(b);
